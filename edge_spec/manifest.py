@@ -1,0 +1,245 @@
+"""The bundle manifest: a versioned description of every file in a bundle, validated up front.
+
+A bundle is a folder holding `manifest.json`, stage graphs (`*.onnx` with external data), and
+`tokenizer.json`. Every problem a bundle can have is found by `load_manifest`, so nothing is
+checked inside the decode loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from edge_spec import names
+
+SCHEMA_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+TOKENIZER_FILE = "tokenizer.json"
+QUANTS = ("int4", "int8", "fp16", "fp32")
+KV_DTYPES = ("float32", "float16")
+
+
+class BundleError(Exception):
+    """A bundle that cannot be used, with the reason and what to do about it."""
+
+
+@dataclass(frozen=True)
+class ArchInfo:
+    """What the runtime needs to allocate KV buffers and interpret logits."""
+
+    model_type: str
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int  # rows of the LM head (may be padded past the tokenizer's real tokens)
+    max_context: int
+    kv_dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """One ONNX graph: layers [layer_start, layer_end), plus the embedding and/or the head."""
+
+    file: str
+    data_files: tuple[str, ...]
+    embed: bool
+    head: bool
+    layer_start: int
+    layer_end: int
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+    @property
+    def layers(self) -> range:
+        return range(self.layer_start, self.layer_end)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A role (`target`, `draft`, `layer_skip`): the stages it runs in order, and its KV needs.
+
+    A role with `shares_kv_with` set runs a prefix of that role's layers and reads and writes
+    that role's KV buffers instead of owning any (layer-skip self-speculation).
+    """
+
+    source: str
+    arch: ArchInfo
+    quant: str
+    stages: tuple[str, ...]
+    shares_kv_with: str | None = None
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    file: str
+    chat_template: str | None
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    n_real_tokens: int  # tokens the tokenizer can produce; LM-head rows past this are padding
+    special_tokens: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    schema_version: int
+    stages: dict[str, StageInfo]
+    models: dict[str, ModelInfo]
+    tokenizer: TokenizerInfo
+    files: dict[str, str]  # relative path -> SHA-256
+    created_by: str = ""
+    default_draft: str | None = None
+
+    @property
+    def target(self) -> ModelInfo:
+        return self.models["target"]
+
+    def drafts(self) -> list[str]:
+        return [role for role in self.models if role != "target"]
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _build(cls, data: dict[str, Any], where: str):
+    """Construct a frozen dataclass from JSON, naming the missing or unknown field."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - known
+    if unknown:
+        raise BundleError(f"manifest {where}: unknown field(s) {sorted(unknown)}")
+    try:
+        obj = cls(**data)
+    except TypeError as exc:
+        raise BundleError(f"manifest {where}: {exc}") from None
+    return obj
+
+
+def manifest_from_dict(data: dict[str, Any]) -> Manifest:
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise BundleError(
+            f"manifest schema version {version!r} is not supported by this runtime "
+            f"(it reads version {SCHEMA_VERSION}); re-export the bundle with this edge-spec version"
+        )
+    stages = {}
+    for key, raw in data.get("stages", {}).items():
+        raw = dict(raw)
+        for tuple_field in ("data_files", "inputs", "outputs"):
+            raw[tuple_field] = tuple(raw.get(tuple_field, ()))
+        stages[key] = _build(StageInfo, raw, f"stage {key!r}")
+    models = {}
+    for role, raw in data.get("models", {}).items():
+        raw = dict(raw)
+        raw["arch"] = _build(ArchInfo, raw.get("arch", {}), f"model {role!r} arch")
+        raw["stages"] = tuple(raw.get("stages", ()))
+        models[role] = _build(ModelInfo, raw, f"model {role!r}")
+    tok = dict(data.get("tokenizer", {}))
+    tok["eos_token_ids"] = tuple(tok.get("eos_token_ids", ()))
+    tokenizer = _build(TokenizerInfo, tok, "tokenizer")
+    rest = {k: v for k, v in data.items() if k not in ("stages", "models", "tokenizer")}
+    return _build(Manifest, dict(rest, stages=stages, models=models, tokenizer=tokenizer), "top level")
+
+
+def validate(manifest: Manifest, bundle_dir: Path, check_hashes: bool = True) -> None:
+    """Every check a bundle gets; raises BundleError naming the first problem found."""
+    if "target" not in manifest.models:
+        raise BundleError("manifest has no 'target' model")
+    if manifest.default_draft is not None and manifest.default_draft not in manifest.models:
+        raise BundleError(f"manifest default_draft {manifest.default_draft!r} is not one of its models")
+    target = manifest.target
+    for role, model in manifest.models.items():
+        if model.quant not in QUANTS:
+            raise BundleError(f"model {role!r}: unknown quantization {model.quant!r} (known: {QUANTS})")
+        if model.arch.kv_dtype not in KV_DTYPES:
+            raise BundleError(f"model {role!r}: unknown KV dtype {model.arch.kv_dtype!r}")
+        if model.arch.vocab_size < manifest.tokenizer.n_real_tokens:
+            raise BundleError(
+                f"vocabulary mismatch: model {role!r} has {model.arch.vocab_size} LM-head rows but the "
+                f"tokenizer has {manifest.tokenizer.n_real_tokens} tokens"
+            )
+        if role != "target" and model.arch.vocab_size != target.arch.vocab_size:
+            raise BundleError(
+                f"vocabulary mismatch: draft {role!r} scores {model.arch.vocab_size} tokens, target "
+                f"scores {target.arch.vocab_size}; export with a draft that shares the target's tokenizer"
+            )
+        if model.shares_kv_with is not None:
+            owner = manifest.models.get(model.shares_kv_with)
+            if owner is None or owner.shares_kv_with is not None:
+                raise BundleError(f"model {role!r} shares KV with {model.shares_kv_with!r}, which owns none")
+            if owner.arch.max_context != model.arch.max_context:
+                raise BundleError(f"model {role!r} and {model.shares_kv_with!r} disagree on max context")
+        _validate_stages(manifest, role, model)
+    _validate_files(manifest, bundle_dir, check_hashes)
+
+
+def _validate_stages(manifest: Manifest, role: str, model: ModelInfo) -> None:
+    if not model.stages:
+        raise BundleError(f"model {role!r} has no stages")
+    next_layer = 0
+    for i, key in enumerate(model.stages):
+        stage = manifest.stages.get(key)
+        if stage is None:
+            raise BundleError(f"model {role!r} names stage {key!r}, which the manifest does not list")
+        if stage.embed != (i == 0) or stage.head != (i == len(model.stages) - 1):
+            raise BundleError(f"model {role!r}: stage {key!r} is out of place (embed first, head last)")
+        if stage.layers and stage.layer_start != next_layer:
+            raise BundleError(f"model {role!r}: stage {key!r} starts at layer {stage.layer_start}, expected {next_layer}")
+        next_layer = stage.layer_end if stage.layers else next_layer
+        expected_in = names.stage_inputs(stage.embed, stage.head, stage.layers)
+        expected_out = names.stage_outputs(stage.head, stage.layers)
+        if list(stage.inputs) != expected_in or list(stage.outputs) != expected_out:
+            raise BundleError(f"stage {key!r}: graph input/output names do not follow edge_spec.names")
+    if next_layer != model.arch.n_layers:
+        raise BundleError(f"model {role!r}: stages run {next_layer} layers, arch says {model.arch.n_layers}")
+
+
+def _validate_files(manifest: Manifest, bundle_dir: Path, check_hashes: bool) -> None:
+    referenced = {manifest.tokenizer.file}
+    for stage in manifest.stages.values():
+        referenced.add(stage.file)
+        referenced.update(stage.data_files)
+    unlisted = referenced - set(manifest.files)
+    if unlisted:
+        raise BundleError(f"manifest lists no hash for {sorted(unlisted)}")
+    for rel, expected in manifest.files.items():
+        path = bundle_dir / rel
+        if not path.is_file():
+            raise BundleError(f"bundle file missing: {path} (the bundle is incomplete; re-export it)")
+        if check_hashes:
+            actual = sha256_file(path)
+            if actual != expected:
+                raise BundleError(
+                    f"bundle file altered: {path} has SHA-256 {actual[:16]}…, manifest says "
+                    f"{expected[:16]}… (re-export the bundle, or restore the file)"
+                )
+
+
+def load_manifest(bundle_dir: str | Path, check_hashes: bool = True) -> Manifest:
+    bundle_dir = Path(bundle_dir)
+    path = bundle_dir / MANIFEST_FILE
+    if not bundle_dir.is_dir():
+        raise BundleError(f"bundle folder not found: {bundle_dir}")
+    if not path.is_file():
+        raise BundleError(f"{bundle_dir} is not a bundle: it has no {MANIFEST_FILE} (run `python -m export` first)")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BundleError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise BundleError(f"{path} must hold a JSON object")
+    manifest = manifest_from_dict(data)
+    validate(manifest, bundle_dir, check_hashes)
+    return manifest

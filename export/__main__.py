@@ -1,0 +1,50 @@
+"""python -m export MODEL --out DIR [--quant ...] [--max-context N] [--draft D ...]"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from edge_spec.catalog import CATALOG
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m export",
+        description="Export a checkpoint (and its draft) to an edge-spec bundle of static-KV ONNX graphs.",
+    )
+    parser.add_argument("model", help=f"catalog alias ({', '.join(CATALOG)}), hub id, local HF folder or .gguf file")
+    parser.add_argument("--out", type=Path, help="bundle folder to write (default: bundles/<model>-<quant>)")
+    parser.add_argument("--quant", default="int4", choices=("int4", "int8", "fp16", "fp32"))
+    parser.add_argument("--max-context", type=int, default=2048, help="KV buffer length in tokens (default 2048)")
+    parser.add_argument(
+        "--draft",
+        action="append",
+        help="same-tokenizer draft model (alias/id/path), 'layer-skip:N', or 'none'; repeat to add both kinds "
+        "(default: the catalog's draft for MODEL)",
+    )
+    parser.add_argument("--force", action="store_true", help="replace an existing bundle folder")
+    args = parser.parse_args(argv)
+
+    from export.archs import UnsupportedArchitecture
+    from export.bundle import ExportConfig, ExportError, default_drafts, export_bundle
+    from export.sources import SourceError
+
+    drafts = tuple(args.draft) if args.draft else default_drafts(args.model)
+    drafts = tuple(d for d in drafts if d != "none")
+    out = args.out or Path("bundles") / f"{Path(args.model).stem}-{args.quant}"
+    config = ExportConfig(args.model, out, args.quant, args.max_context, drafts, args.force)
+    try:
+        manifest = export_bundle(config)
+    except (ExportError, SourceError, UnsupportedArchitecture) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    sizes = sum((out / f).stat().st_size for f in manifest.files)
+    roles = ", ".join(f"{role} ({m.arch.n_layers} layers)" for role, m in manifest.models.items())
+    print(f"{out}: {roles}; {args.quant}; {sizes / 2**20:.0f} MiB; max context {args.max_context}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

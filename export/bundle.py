@@ -1,0 +1,238 @@
+"""Write a bundle: stage graphs for each role, the tokenizer, and a manifest with hashes."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import onnx
+
+from edge_spec import manifest as mf
+from edge_spec import names
+from edge_spec.catalog import CATALOG
+from export.archs import arch_for
+from export.onnx_graphs import export_stage
+from export.quantize import quantize
+from export.sources import Checkpoint, load_checkpoint
+
+LAYER_SKIP_PREFIX = "layer-skip:"
+
+
+class ExportError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    model: str
+    out: Path
+    quant: str = "int4"
+    max_context: int = 2048
+    drafts: tuple[str, ...] = ()  # same-tokenizer models and/or "layer-skip:N"; () = none
+    force: bool = False  # replace an existing bundle folder
+
+
+def default_drafts(model: str) -> tuple[str, ...]:
+    entry = CATALOG.get(model)
+    return (entry.default_draft,) if entry and entry.default_draft else ()
+
+
+class Progress:
+    def __init__(self, log: Callable[[str], None]):
+        self.log, self.start = log, time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        self.log(f"[{time.perf_counter() - self.start:7.1f}s] {message}")
+
+
+def _arch_info(model, max_context: int, vocab_rows: int) -> mf.ArchInfo:
+    config = model.config
+    n_heads = config.num_attention_heads
+    return mf.ArchInfo(
+        model_type=config.model_type,
+        n_layers=config.num_hidden_layers,
+        n_heads=n_heads,
+        n_kv_heads=config.num_key_value_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // n_heads,
+        hidden_size=config.hidden_size,
+        vocab_size=vocab_rows,
+        max_context=max_context,
+    )
+
+
+def _write_stage(
+    checkpoint: Checkpoint, key: str, layers: range, embed: bool, head: bool, config: ExportConfig, tmp: Path, vocab_rows: int, progress: Progress
+) -> mf.StageInfo:
+    from export.static_cache import StageModule
+
+    model = checkpoint.model
+    stage = StageModule(model, layers.start, layers.stop, embed, head, vocab_rows)
+    span = f"layers {layers.start}..{layers.stop - 1}" if layers else "no layers"
+    progress(f"{key}: tracing {span}{' + embedding' if embed else ''}{' + head' if head else ''}")
+    graph = export_stage(stage, layers, config.max_context, model.config.hidden_size)
+    progress(f"{key}: quantizing to {config.quant}")
+    graph = quantize(graph, config.quant)
+    file, data = f"{key}.onnx", f"{key}.onnx.data"
+    onnx.save_model(graph, tmp / file, save_as_external_data=True, all_tensors_to_one_file=True, location=data, size_threshold=0)
+    del graph
+    gc.collect()
+    data_files = (data,) if (tmp / data).exists() else ()
+    return mf.StageInfo(
+        file=file,
+        data_files=data_files,
+        embed=embed,
+        head=head,
+        layer_start=layers.start,
+        layer_end=layers.stop,
+        inputs=tuple(names.stage_inputs(embed, head, layers)),
+        outputs=tuple(names.stage_outputs(head, layers)),
+    )
+
+
+def _vocab_difference(target_tok, draft_tok) -> str | None:
+    target_vocab, draft_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
+    if target_vocab == draft_vocab:
+        return None
+    only_target = sorted(set(target_vocab) - set(draft_vocab))
+    only_draft = sorted(set(draft_vocab) - set(target_vocab))
+    moved = sorted(t for t in set(target_vocab) & set(draft_vocab) if target_vocab[t] != draft_vocab[t])
+    parts = [f"target has {len(target_vocab)} tokens, draft {len(draft_vocab)}"]
+    if only_target:
+        parts.append(f"{len(only_target)} only in the target (e.g. {only_target[0]!r})")
+    if only_draft:
+        parts.append(f"{len(only_draft)} only in the draft (e.g. {only_draft[0]!r})")
+    if moved:
+        parts.append(f"{len(moved)} with other ids (e.g. {moved[0]!r}: {target_vocab[moved[0]]} vs {draft_vocab[moved[0]]})")
+    return "; ".join(parts)
+
+
+def _tokenizer_info(checkpoint: Checkpoint, tmp: Path) -> mf.TokenizerInfo:
+    tok, model = checkpoint.tokenizer, checkpoint.model
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None:
+        raise ExportError("the checkpoint's tokenizer has no fast (tokenizers) backend to ship in the bundle")
+    backend.save(str(tmp / mf.TOKENIZER_FILE))
+    eos = []
+    for value in (getattr(model.generation_config, "eos_token_id", None), model.config.eos_token_id, tok.eos_token_id):
+        for token in value if isinstance(value, (list, tuple)) else [value]:
+            if token is not None and token not in eos:
+                eos.append(int(token))
+    special = {k: v for k, v in tok.special_tokens_map.items() if isinstance(v, str)}
+    template = tok.chat_template if isinstance(tok.chat_template, str) else None
+    return mf.TokenizerInfo(
+        file=mf.TOKENIZER_FILE,
+        chat_template=template,
+        bos_token_id=tok.bos_token_id,
+        eos_token_ids=tuple(eos),
+        n_real_tokens=len(tok),
+        special_tokens=special,
+    )
+
+
+def export_bundle(config: ExportConfig, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> mf.Manifest:
+    if config.quant not in mf.QUANTS:
+        raise ExportError(f"unknown quantization {config.quant!r}; choose one of {', '.join(mf.QUANTS)}")
+    if config.max_context < 16:
+        raise ExportError(f"--max-context {config.max_context} is too small (at least 16)")
+    out = Path(config.out)
+    if out.exists() and any(out.iterdir()) and not config.force:
+        raise ExportError(f"{out} exists and is not empty; pass --force to replace it")
+    layer_skips = [d for d in config.drafts if d.startswith(LAYER_SKIP_PREFIX)]
+    model_drafts = [d for d in config.drafts if not d.startswith(LAYER_SKIP_PREFIX)]
+    if len(layer_skips) > 1 or len(model_drafts) > 1:
+        raise ExportError("at most one draft model and one layer-skip draft per bundle")
+    progress = Progress(log)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        manifest = _export_into(config, tmp, layer_skips, model_drafts, progress)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)  # the bundle appears whole or not at all
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    progress(f"bundle written to {out}")
+    return manifest
+
+
+def _export_into(config: ExportConfig, tmp: Path, layer_skips: list[str], model_drafts: list[str], progress: Progress) -> mf.Manifest:
+    progress(f"loading {config.model}")
+    target = load_checkpoint(config.model)
+    arch_for(target.model.config)
+    n_layers = target.model.config.num_hidden_layers
+    target_rows = target.model.lm_head.weight.shape[0]
+    n_real = len(target.tokenizer)
+    tokenizer = _tokenizer_info(target, tmp)
+
+    draft = None
+    if model_drafts:
+        progress(f"loading draft {model_drafts[0]}")
+        draft = load_checkpoint(model_drafts[0])
+        difference = _vocab_difference(target.tokenizer, draft.tokenizer)
+        if difference:
+            raise ExportError(f"draft {model_drafts[0]!r} does not share the target's tokenizer: {difference}")
+    vocab_rows = target_rows
+    if draft is not None and draft.model.lm_head.weight.shape[0] != target_rows:
+        # Same real tokens, differently padded heads: score only the real tokens in both.
+        if min(target_rows, draft.model.lm_head.weight.shape[0]) < n_real:
+            raise ExportError("the draft's LM head is smaller than the shared tokenizer")
+        vocab_rows = n_real
+
+    stages: dict[str, mf.StageInfo] = {}
+    models: dict[str, mf.ModelInfo] = {}
+    target_arch = _arch_info(target.model, config.max_context, vocab_rows)
+    if layer_skips:
+        spec = layer_skips[0][len(LAYER_SKIP_PREFIX) :]
+        if not spec.isdigit() or not 0 < int(spec) < n_layers:
+            raise ExportError(f"{layer_skips[0]!r}: N must be a layer count between 1 and {n_layers - 1}")
+        split = int(spec)
+        # The target runs trunk → rest → head; the layer-skip draft runs trunk → head, so every
+        # weight is stored once and the draft writes the trunk's KV rows into the target's cache.
+        plan = [("target.trunk", range(0, split), True, False), ("target.rest", range(split, n_layers), False, False), ("target.head", range(0, 0), False, True)]
+        for key, layers, embed, head in plan:
+            stages[key] = _write_stage(target, key, layers, embed, head, config, tmp, vocab_rows, progress)
+        models["target"] = mf.ModelInfo(target.source.description, target_arch, config.quant, tuple(k for k, *_ in plan))
+        models["layer_skip"] = mf.ModelInfo(
+            f"layer skip: first {split} of {n_layers} layers of the target",
+            dataclasses.replace(target_arch, n_layers=split),
+            config.quant,
+            ("target.trunk", "target.head"),
+            shares_kv_with="target",
+        )
+    else:
+        stages["target"] = _write_stage(target, "target", range(n_layers), True, True, config, tmp, vocab_rows, progress)
+        models["target"] = mf.ModelInfo(target.source.description, target_arch, config.quant, ("target",))
+    del target
+    gc.collect()
+    if draft is not None:
+        draft_layers = draft.model.config.num_hidden_layers
+        stages["draft"] = _write_stage(draft, "draft", range(draft_layers), True, True, config, tmp, vocab_rows, progress)
+        models["draft"] = mf.ModelInfo(draft.source.description, _arch_info(draft.model, config.max_context, vocab_rows), config.quant, ("draft",))
+        del draft
+        gc.collect()
+
+    progress("hashing files")
+    files = {p.name: mf.sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+    default_draft = "draft" if "draft" in models else ("layer_skip" if "layer_skip" in models else None)
+    from edge_spec import __version__
+
+    manifest = mf.Manifest(
+        schema_version=mf.SCHEMA_VERSION,
+        stages=stages,
+        models=models,
+        tokenizer=tokenizer,
+        files=files,
+        created_by=f"edge-spec {__version__}",
+        default_draft=default_draft,
+    )
+    (tmp / mf.MANIFEST_FILE).write_text(manifest.to_json())
+    mf.validate(manifest, tmp, check_hashes=False)
+    return manifest

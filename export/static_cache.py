@@ -1,0 +1,111 @@
+"""The torch module every architecture is exported through: one stage over static KV buffers.
+
+A stage takes a block of T new tokens (or their hidden states) at position kv_len and attends
+in two parts: a masked pass over the fixed-size past buffer (rows < kv_len are valid) and a
+causal pass over the block itself. It returns only the block's new keys and values, never the
+cache, so a decode step copies nothing proportional to the context.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class StageModule(nn.Module):
+    """Layers [layer_start, layer_end) of a Hugging Face Llama-family model, with optional
+    embedding in front and final norm + LM head behind.
+
+    forward(x, kv_len, logit_positions, *past) -> (logits | hidden, new_key.i, new_value.i, ...)
+    past is past_key.i, past_value.i for each layer i, each [1, kv_heads, max_context, head_dim].
+    """
+
+    def __init__(self, hf_model, layer_start: int, layer_end: int, embed: bool, head: bool, vocab_rows: int):
+        super().__init__()
+        config = hf_model.config
+        inner = hf_model.model
+        self.embed, self.head = embed, head
+        self.layers = nn.ModuleList(inner.layers[layer_start:layer_end])
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
+        self.scale = self.head_dim**-0.5
+        # inv_freq already carries llama3 scaling; attention_scaling is 1.0 for default/llama3.
+        self.register_buffer("inv_freq", inner.rotary_emb.inv_freq.detach().float().clone(), persistent=False)
+        self.rope_scaling = float(getattr(inner.rotary_emb, "attention_scaling", 1.0))
+        if embed:
+            self.embed_tokens = inner.embed_tokens
+        if head:
+            self.norm = inner.norm
+            # A separate, pre-transposed copy so the graph has MatMul(h, W) with W an initializer
+            # of its own (quantizable), even when the checkpoint ties it to the embedding.
+            weight = hf_model.lm_head.weight.detach()[:vocab_rows]  # [vocab, hidden]
+            self.lm_head_t = nn.Parameter(weight.t().contiguous().clone(), requires_grad=False)  # [hidden, vocab]
+
+    @staticmethod
+    def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return norm.weight * (x * torch.rsqrt(variance + norm.variance_epsilon))
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    def _attention(self, layer, x, cos, sin, past_valid, causal, past_key, past_value):
+        attn = layer.self_attn
+        batch, block, _ = x.shape
+        group = self.n_heads // self.n_kv_heads
+        q = attn.q_proj(x).view(1, block, self.n_heads, self.head_dim).transpose(1, 2)  # [1,H,T,D]
+        k = attn.k_proj(x).view(1, block, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [1,KVH,T,D]
+        v = attn.v_proj(x).view(1, block, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [1,KVH,T,D]
+        q = q * cos + self._rotate_half(q) * sin
+        k = k * cos + self._rotate_half(k) * sin
+        # Query head h uses KV head h // group: fold the group into the row axis instead of
+        # repeating the cache, so the past buffer is read once per KV head.
+        q = q.reshape(1, self.n_kv_heads, group * block, self.head_dim)  # [1,KVH,G*T,D]
+        scores_past = torch.matmul(q, past_key.transpose(2, 3)) * self.scale  # [1,KVH,G*T,MAX]
+        scores_new = torch.matmul(q, k.transpose(2, 3)) * self.scale  # [1,KVH,G*T,T]
+        lowest = torch.finfo(scores_past.dtype).min
+        scores_past = torch.where(past_valid, scores_past, lowest)
+        scores_new = torch.where(causal, scores_new, lowest)
+        probs = torch.softmax(torch.cat([scores_past, scores_new], dim=-1), dim=-1)
+        max_context = past_key.shape[2]
+        out = torch.matmul(probs[..., :max_context], past_value) + torch.matmul(probs[..., max_context:], v)
+        out = out.reshape(1, self.n_heads, block, self.head_dim).transpose(1, 2).reshape(1, block, -1)  # [1,T,H*D]
+        return attn.o_proj(out), k, v
+
+    def forward(self, x, kv_len, logit_positions, *past):
+        h = self.embed_tokens(x) if self.embed else x  # [1,T,hidden]
+        block = h.shape[1]
+        new_kv = []
+        if len(self.layers):
+            positions = (kv_len + torch.arange(block, dtype=torch.int64)).float()  # [T]
+            freqs = positions[:, None] * self.inv_freq[None, :]  # [T,D/2]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos = (emb.cos() * self.rope_scaling)[None, None]  # [1,1,T,D]
+            sin = (emb.sin() * self.rope_scaling)[None, None]
+            max_context = past[0].shape[2]
+            past_valid = (torch.arange(max_context, dtype=torch.int64) < kv_len)[None, None, None, :]  # [1,1,1,MAX]
+            rows = torch.arange(block, dtype=torch.int64)
+            group = self.n_heads // self.n_kv_heads
+            causal = (rows[None, :] <= rows[:, None]).repeat(group, 1)[None, None]  # [1,1,G*T,T]
+            for i, layer in enumerate(self.layers):
+                residual = h
+                attn_out, k, v = self._attention(
+                    layer,
+                    self._rms_norm(layer.input_layernorm, h),
+                    cos,
+                    sin,
+                    past_valid,
+                    causal,
+                    past[2 * i],
+                    past[2 * i + 1],
+                )
+                h = residual + attn_out
+                h = h + layer.mlp(self._rms_norm(layer.post_attention_layernorm, h))
+                new_kv += [k, v]
+        if self.head:
+            h = torch.index_select(h, 1, logit_positions)  # [1,N,hidden]
+            h = torch.matmul(self._rms_norm(self.norm, h), self.lm_head_t)  # [1,N,vocab]
+        return (h, *new_kv)

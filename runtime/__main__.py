@@ -1,0 +1,152 @@
+"""python -m runtime generate|audit BUNDLE ...: the command line over runtime.Engine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+DRAFT_CHOICES = ("auto", "model", "layer-skip", "lookup", "none")
+
+
+def _engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("bundle", help="bundle folder written by `python -m export`")
+    parser.add_argument("--provider", default="auto", help="auto|cpu|cuda|dml|coreml (default auto)")
+    parser.add_argument("--draft-provider", help="provider for the draft model (default: --provider)")
+    parser.add_argument("--allow-fallback", action="store_true", help="use the CPU when the provider is missing")
+    parser.add_argument("--threads", type=int, default=0, help="intra-op threads (0: ONNX Runtime's default)")
+    parser.add_argument("--draft", default="auto", choices=DRAFT_CHOICES)
+    parser.add_argument("--gamma", default="auto", help="draft length: auto (adaptive) or a number")
+    parser.add_argument("--max-gamma", type=int, default=8)
+
+
+def _prompt_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+
+
+def _engine(args):
+    from runtime.engine import Engine, EngineConfig
+
+    gamma = None if args.gamma == "auto" else int(args.gamma)
+    config = EngineConfig(
+        provider=args.provider,
+        draft_provider=args.draft_provider,
+        threads=args.threads,
+        drafter=args.draft,
+        gamma=gamma,
+        max_gamma=max(args.max_gamma, gamma or 0),
+        allow_fallback=args.allow_fallback,
+    )
+    return Engine(args.bundle, config)
+
+
+def _prompt_ids(engine, args) -> list[int]:
+    if args.chat:
+        return engine.encode(messages=[{"role": "user", "content": args.prompt}])
+    return engine.encode(prompt=args.prompt)
+
+
+def cmd_generate(args) -> int:
+    from edge_spec.sampling import SamplingConfig
+    from runtime.engine import GenerateConfig
+
+    engine = _engine(args)
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
+    config = GenerateConfig(args.max_new_tokens, sampling, tuple(args.stop or ()))
+    prompt_ids = _prompt_ids(engine, args)
+    result = None
+    for piece, result in engine.stream(prompt_ids, config):
+        if piece and not args.json:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    if args.json:
+        print(json.dumps({
+            "text": result.text,
+            "prompt_ids": result.prompt_ids,
+            "token_ids": result.token_ids,
+            "stop_reason": result.stop_reason,
+            "timings": result.timings,
+            "stats": result.stats,
+        }))
+    else:
+        s = result.stats
+        print(
+            f"\n[stop: {result.stop_reason}; {len(result.token_ids)} tokens; prefill {result.timings['prefill_ms']:.0f} ms; "
+            f"{result.timings['decode_tokens_per_s']:.1f} tok/s; {s['tokens_per_pass']:.2f} tokens/pass]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_audit(args) -> int:
+    import numpy as np
+
+    from edge_spec.sampling import SamplingConfig
+    from runtime.audit import compare
+    from runtime.engine import GenerateConfig
+
+    if args.temperature <= 0:
+        print("error: the audit compares sampled distributions: pass --temperature > 0", file=sys.stderr)
+        return 2
+    engine = _engine(args)
+    prompt_ids = _prompt_ids(engine, args)
+    runs = {}
+    for speculative in (True, False):
+        rows = []
+        for i in range(args.samples):
+            sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, seed=args.seed + i + (0 if speculative else 10**6))
+            result = engine.generate(prompt_ids, GenerateConfig(args.positions, sampling), speculative=speculative)
+            rows.append((result.token_ids + [-1] * args.positions)[: args.positions])
+        runs[speculative] = np.array(rows)
+    report = compare(runs[True], runs[False], seed=args.seed)
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    else:
+        for p in report.positions:
+            print(f"position {p.position}: TV {p.tv_distance:.4f}, p-value {p.p_value:.3f}, {p.distinct_tokens} distinct tokens")
+        print(f"{'PASS' if report.passed else 'FAIL'}: {report.samples} samples per mode, family-wise alpha {report.alpha}")
+    return 0 if report.passed else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m runtime", description="Run edge-spec bundles.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text from a prompt")
+    _engine_args(gen)
+    _prompt_args(gen)
+    gen.add_argument("--max-new-tokens", type=int, default=256)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    gen.set_defaults(func=cmd_generate)
+
+    audit = sub.add_parser("audit", help="check that speculation leaves the output distribution unchanged")
+    _engine_args(audit)
+    _prompt_args(audit)
+    audit.add_argument("--samples", type=int, default=300)
+    audit.add_argument("--positions", type=int, default=3, help="first K generated tokens compared")
+    audit.add_argument("--seed", type=int, default=0)
+    audit.add_argument("--json", action="store_true")
+    audit.set_defaults(func=cmd_audit)
+
+    args = parser.parse_args(argv)
+    from edge_spec.manifest import BundleError
+    from runtime.engine import PromptTooLongError
+    from runtime.kv_cache import ContextFullError
+    from runtime.sessions import ProviderError
+    from runtime.tokenizer import ChatTemplateError
+
+    try:
+        return args.func(args)
+    except (BundleError, PromptTooLongError, ContextFullError, ProviderError, ChatTemplateError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

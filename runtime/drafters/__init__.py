@@ -1,0 +1,1 @@
+"""Drafters: one interface (drafters.base.Drafter), three ways to propose tokens."""

@@ -1,0 +1,56 @@
+"""The drafter interface the loop speaks to."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+
+from edge_spec.sampling import SamplingConfig, process_logits, sample
+
+
+@dataclass(frozen=True)
+class Proposal:
+    tokens: np.ndarray  # [γ] int64
+    # q for each drafted token, processed exactly like p; None for a deterministic proposal
+    # (prompt lookup), which the loop verifies as q = one-hot.
+    draft_probs: np.ndarray | None  # [γ, V]
+    # Layer skip only: the target's first-stage output for [pending, d1..d(γ-1)], with their
+    # KV rows already written, so the verify pass does not compute them again.
+    trunk_hidden: np.ndarray | None = None  # [1, γ, H]
+
+
+class Drafter(ABC):
+    name: str
+    # Drafting costs model passes (a draft model, layer skip) or almost nothing (lookup).
+    costs_passes: bool = True
+
+    @abstractmethod
+    def propose(self, tokens: np.ndarray, gamma: int, sampling: SamplingConfig, rng: np.random.Generator) -> Proposal | None:
+        """Up to γ tokens to follow `tokens` (committed, the last one not yet fed to the
+        target), or None when there is nothing worth verifying."""
+
+    def select(self, tokens: np.ndarray) -> "Drafter":
+        """The drafter that proposes this round (a mixed drafter picks one of its parts)."""
+        return self
+
+    def parts(self) -> list["Drafter"]:
+        """Every drafter that can be selected, each with its own γ controller."""
+        return [self]
+
+    def accepted(self, tokens: np.ndarray, n_accepted: int) -> None:
+        """Learn the outcome of the last round; `tokens` is the new committed sequence."""
+
+    def reset(self, tokens: np.ndarray = np.zeros(0, dtype=np.int64)) -> None:
+        """A new sequence starts with `tokens`: forget everything that is not a prefix of it
+        (so a repeated prompt prefix is not fed again)."""
+
+
+def pick_token(logits: np.ndarray, sampling: SamplingConfig, rng: np.random.Generator) -> tuple[int, np.ndarray | None]:
+    """Draft one token from logits [V]: argmax when greedy (no q needed: greedy verification
+    compares tokens), else a sample from the processed distribution q, returned with it."""
+    if sampling.greedy:
+        return int(np.argmax(logits)), None
+    draft_probs = process_logits(logits, sampling)  # [V]
+    return sample(draft_probs, rng), draft_probs

@@ -1,0 +1,39 @@
+"""Self-speculation: the target's first N layers, then its final norm and LM head.
+
+The draft runs the target's own trunk and head sessions and writes the trunk's KV rows into
+the target's cache, so no weights are loaded twice and the verify pass reuses the trunk's
+output for every drafted position but the last.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from runtime.drafters.base import Drafter, Proposal, pick_token
+from runtime.model import ModelRunner
+
+
+class LayerSkipDrafter(Drafter):
+    name = "layer-skip"
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner  # stages [trunk, head]; runner.cache is the target's cache
+
+    def propose(self, tokens, gamma, sampling, rng):
+        cache = self.runner.cache
+        start = cache.kv_len  # == len(tokens) - 1: the pending token goes at `start`
+        gamma = min(gamma, cache.max_context - start - 1)
+        if gamma <= 0:
+            return None
+        token = int(tokens[-1])
+        hidden, drafted, draft_probs = [], [], []
+        first_position = np.zeros(1, dtype=np.int64)
+        for i in range(gamma):
+            h = self.runner.run_stage(0, np.array([[token]], dtype=np.int64), start + i)  # [1,1,H]
+            hidden.append(h)
+            logits = self.runner.run_stage(1, h, start + i, first_position)[0, -1]  # [V]
+            token, probs = pick_token(logits, sampling, rng)
+            drafted.append(token)
+            draft_probs.append(probs)
+        probs = None if sampling.greedy else np.stack(draft_probs)  # [γ,V]
+        return Proposal(np.array(drafted, dtype=np.int64), probs, np.concatenate(hidden, axis=1))

@@ -1,0 +1,34 @@
+"""Copy when the text repeats, otherwise draft with a model: chosen per round."""
+
+from __future__ import annotations
+
+from runtime.drafters.base import Drafter
+from runtime.drafters.prompt_lookup import PromptLookupDrafter
+
+
+class MixedDrafter(Drafter):
+    name = "auto"
+
+    def __init__(self, lookup: PromptLookupDrafter, model: Drafter | None):
+        self.lookup = lookup
+        self.model = model
+
+    def select(self, tokens):
+        # A suffix match costs nothing to find and drafts for free; the model is the fallback.
+        if self.model is None or len(self.lookup.find(tokens, 1)):
+            return self.lookup
+        return self.model
+
+    def parts(self):
+        return [self.lookup] + ([self.model] if self.model is not None else [])
+
+    def propose(self, tokens, gamma, sampling, rng):
+        return self.select(tokens).propose(tokens, gamma, sampling, rng)
+
+    def accepted(self, tokens, n_accepted):
+        for part in self.parts():
+            part.accepted(tokens, n_accepted)
+
+    def reset(self, tokens=()):
+        for part in self.parts():
+            part.reset(tokens)

@@ -1,0 +1,259 @@
+"""The public Python API: load a bundle once, then generate or stream from it.
+
+One Engine holds sessions and KV buffers for one sequence at a time; a lock serializes
+generations, so an Engine may be shared between threads (callers wait their turn).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from edge_spec.manifest import BundleError
+from edge_spec.sampling import SamplingConfig
+from runtime.bundle import open_bundle
+from runtime.drafters.base import Drafter
+from runtime.drafters.draft_model import DraftModelDrafter
+from runtime.drafters.layer_skip import LayerSkipDrafter
+from runtime.drafters.mixed import MixedDrafter
+from runtime.drafters.prompt_lookup import PromptLookupDrafter
+from runtime.gamma import CostModel, GammaConfig, GammaController
+from runtime.kv_cache import KVCache
+from runtime.loop import Step, decode_steps
+from runtime.model import ModelRunner
+from runtime.sessions import SessionConfig, make_session, resolve_provider
+from runtime.tokenizer import BundleTokenizer, StreamDecoder
+
+DRAFTERS = ("auto", "model", "layer-skip", "lookup", "none")
+
+
+class PromptTooLongError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    provider: str = "auto"
+    draft_provider: str | None = None  # None: same as provider
+    threads: int = 0
+    drafter: str = "auto"  # auto: copy when the text repeats, else the bundle's default draft
+    gamma: int | None = None  # None: adaptive
+    max_gamma: int = 8
+    allow_fallback: bool = False
+    check_hashes: bool = True
+    calibrate: bool = True  # time target and draft passes at load, to seed the cost model
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    max_new_tokens: int = 256
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    stop_reason: str  # eos | stop | length | context
+    timings: dict
+    stats: dict
+
+
+class Engine:
+    def __init__(self, bundle_path: str | Path, config: EngineConfig = EngineConfig()):
+        if config.drafter not in DRAFTERS:
+            raise ValueError(f"unknown drafter {config.drafter!r} (choose from {', '.join(DRAFTERS)})")
+        self.config = config
+        self.bundle = open_bundle(bundle_path, check_hashes=config.check_hashes)
+        manifest = self.bundle.manifest
+        self.provider = resolve_provider(config.provider, config.allow_fallback)
+        self.draft_provider = resolve_provider(config.draft_provider or config.provider, config.allow_fallback)
+        self.tokenizer = BundleTokenizer(self.bundle.file(manifest.tokenizer.file), manifest.tokenizer)
+        self._sessions: dict[str, object] = {}
+        self._caches: dict[str, KVCache] = {}
+        self.target = self._runner("target", self.provider)
+        self.drafter = self._make_drafter(config.drafter)
+        self.costs = CostModel()
+        self._lock = threading.Lock()
+        if config.calibrate and self.drafter is not None:
+            self.calibrate()
+
+    # -- loading ---------------------------------------------------------------------------
+
+    def _runner(self, role: str, provider: str) -> ModelRunner:
+        manifest = self.bundle.manifest
+        self.bundle.require_role(role)
+        info = manifest.models[role]
+        stages = [manifest.stages[key] for key in info.stages]
+        sessions = []
+        session_config = SessionConfig(provider, self.config.threads, self.config.allow_fallback)
+        for key, stage in zip(info.stages, stages):
+            if key not in self._sessions:
+                self._sessions[key] = make_session(self.bundle.file(stage.file), provider, session_config)
+            sessions.append(self._sessions[key])
+        owner = info.shares_kv_with or role
+        if owner not in self._caches:
+            arch = manifest.models[owner].arch
+            self._caches[owner] = KVCache(range(arch.n_layers), arch.n_kv_heads, arch.max_context, arch.head_dim, arch.kv_dtype)
+        return ModelRunner(role, info, stages, sessions, self._caches[owner])
+
+    def _model_drafter(self, kind: str) -> Drafter | None:
+        models = self.bundle.manifest.models
+        role = {"model": "draft", "layer-skip": "layer_skip"}.get(kind) or self.bundle.manifest.default_draft
+        if role is None:
+            return None
+        if role not in models:
+            self.bundle.require_role(role)
+        if role == "layer_skip":
+            return LayerSkipDrafter(self._runner("layer_skip", self.provider))
+        return DraftModelDrafter(self._runner(role, self.draft_provider))
+
+    def _make_drafter(self, kind: str) -> Drafter | None:
+        if kind == "none":
+            return None
+        if kind == "lookup":
+            return PromptLookupDrafter()
+        if kind == "auto":
+            return MixedDrafter(PromptLookupDrafter(), self._model_drafter("auto"))
+        return self._model_drafter(kind)
+
+    def calibrate(self, repeats: int = 2) -> None:
+        """Time target passes for every block size γ+1 may take, and one draft step, on this
+        device, so the first rounds already choose γ from measured costs. The first round
+        warms the sessions up and is not recorded."""
+        token = np.array([self.bundle.manifest.tokenizer.eos_token_ids[0]] * (self.config.max_gamma + 2), dtype=np.int64)
+        for repeat in range(repeats + 1):
+            for block in range(1, self.config.max_gamma + 2):
+                self.target.cache.reset()
+                began = time.perf_counter()
+                self.target.forward(token[:block])
+                if repeat:
+                    self.costs.record_target(block, time.perf_counter() - began)
+            for part in self.drafter.parts():
+                if part.costs_passes:
+                    self.target.cache.reset()
+                    part.reset()
+                    self.target.forward(token[:1])
+                    steps = 3
+                    began = time.perf_counter()
+                    part.propose(token[:2], steps, SamplingConfig(), np.random.default_rng(0))
+                    if repeat:
+                        self.costs.record_draft(part.name, steps, time.perf_counter() - began)
+        self.target.cache.reset()
+        self.drafter.reset()
+
+    # -- generation ------------------------------------------------------------------------
+
+    def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+        if (prompt is None) == (messages is None):
+            raise ValueError("pass exactly one of prompt or messages")
+        return self.tokenizer.encode_chat(messages) if messages is not None else self.tokenizer.encode(prompt)
+
+    def _controllers(self) -> dict[str, GammaController]:
+        if self.drafter is None:
+            return {}
+        gamma_config = GammaConfig(fixed=self.config.gamma, max_gamma=self.config.max_gamma)
+        return {part.name: GammaController(gamma_config, self.costs) for part in self.drafter.parts()}
+
+    def _check_prompt(self, prompt_ids: list[int]) -> None:
+        max_context = self.target.cache.max_context
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) >= max_context:
+            raise PromptTooLongError(
+                f"prompt has {len(prompt_ids)} tokens but the bundle's max context is {max_context}; "
+                "shorten the prompt or re-export with a larger --max-context"
+            )
+
+    def stream(
+        self, prompt_ids: list[int], config: GenerateConfig = GenerateConfig(), speculative: bool = True
+    ) -> Iterator[tuple[str, GenerationResult | None]]:
+        """Yields (text piece, None) as tokens are accepted, then ("", result) once.
+        speculative=False decodes plainly with the same sessions (for comparisons)."""
+        self._check_prompt(prompt_ids)
+        with self._lock:
+            yield from self._stream_locked(list(prompt_ids), config, self.drafter if speculative else None)
+
+    def _stream_locked(self, prompt_ids: list[int], config: GenerateConfig, drafter: Drafter | None):
+        rng = np.random.default_rng(config.sampling.seed)
+        max_context = self.target.cache.max_context
+        eos = self.tokenizer.eos_token_ids
+        decoder = StreamDecoder(self.tokenizer)
+        generated: list[int] = []
+        steps: list[Step] = []
+        stop_reason = None
+        began = time.perf_counter()
+        first_step_at = None
+        controllers = self._controllers() if drafter is not None else {}
+        text = ""
+        for step in decode_steps(self.target, drafter, prompt_ids, config.sampling, rng, controllers, self.costs):
+            if first_step_at is None:
+                first_step_at = time.perf_counter()
+            steps.append(step)
+            new = list(step.tokens)
+            for i, token in enumerate(new):
+                if token in eos:
+                    new, stop_reason = new[: i + 1], "eos"
+                    break
+            if len(generated) + len(new) >= config.max_new_tokens and stop_reason is None:
+                new, stop_reason = new[: config.max_new_tokens - len(generated)], "length"
+            generated += new
+            piece = decoder.push(new)
+            text += piece
+            hit = next((s for s in config.stop if s in text), None) if config.stop else None
+            if hit is not None:
+                cut = text.index(hit)
+                piece = piece[: max(0, len(piece) - (len(text) - cut))]
+                text, stop_reason = text[:cut], "stop"
+            if piece:
+                yield piece, None
+            if stop_reason is None and len(prompt_ids) + len(generated) >= max_context:
+                stop_reason = "context"
+            if stop_reason is not None:
+                break
+        ended = time.perf_counter()
+        yield "", self._result(text, prompt_ids, generated, stop_reason, steps, began, first_step_at, ended)
+
+    def generate(self, prompt_ids: list[int], config: GenerateConfig = GenerateConfig(), speculative: bool = True) -> GenerationResult:
+        result = None
+        for _, result in self.stream(prompt_ids, config, speculative):
+            pass
+        return result
+
+    def _result(self, text, prompt_ids, generated, stop_reason, steps: list[Step], began, first_step_at, ended) -> GenerationResult:
+        first = steps[0] if steps else None
+        # Prefill ends where the first round begins; the first round counts as decoding.
+        prefill_s = (first_step_at - began - first.draft_s - first.target_s) if first else 0.0
+        decode_s = max(ended - began - prefill_s, 1e-9)
+        drafted = sum(s.n_drafted for s in steps)
+        accepted = sum(s.n_accepted for s in steps)
+        draft_s = sum(s.draft_s for s in steps)
+        target_s = sum(s.target_s for s in steps)
+        stats = {
+            "target_passes": len(steps),
+            "drafted_tokens": drafted,
+            "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "tokens_per_pass": len(generated) / len(steps) if steps else 0.0,
+            "gamma_histogram": {str(k): v for k, v in sorted(Counter(s.gamma for s in steps).items())},
+            "drafter_rounds": dict(Counter(s.drafter or "none" for s in steps)),
+            "cost_ratio": {name: self.costs.cost_ratio(name) for name in self.costs.draft_step},
+            "time_s": {"draft": draft_s, "target": target_s, "other": max(decode_s - draft_s - target_s, 0.0)},
+        }
+        timings = {
+            "prefill_ms": prefill_s * 1e3,
+            "decode_s": decode_s,
+            "decode_tokens_per_s": len(generated) / decode_s,
+        }
+        return GenerationResult(text, list(prompt_ids), generated, stop_reason or "length", timings, stats)
+
+
+__all__ = ["Engine", "EngineConfig", "GenerateConfig", "GenerationResult", "BundleError", "PromptTooLongError"]

@@ -1,0 +1,79 @@
+"""Static KV buffers and their length: the only place where rollback happens."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from edge_spec import names
+
+
+class ContextFullError(Exception):
+    pass
+
+
+class KVCache:
+    """Preallocated keys/values for a set of layers, plus `kv_len` and the token of each row.
+
+    Invariant: for every layer, rows [0, kv_len) hold the keys and values of the tokens
+    `row_tokens[:kv_len]`, computed at those positions; rows from kv_len on are stale and
+    every graph masks them, so rolling back is only moving kv_len. After `rollback_to_prefix`
+    the rows are a prefix of the committed sequence. A writer may fill rows past kv_len for
+    some layers (a layer-skip draft) before `extend` covers them for all layers.
+    """
+
+    def __init__(self, layers: range, n_kv_heads: int, max_context: int, head_dim: int, dtype: str = "float32"):
+        shape = (1, n_kv_heads, max_context, head_dim)  # [1,KVH,MAX,D]
+        self.layers = layers
+        self.max_context = max_context
+        self.keys = {layer: np.zeros(shape, dtype=dtype) for layer in layers}
+        self.values = {layer: np.zeros(shape, dtype=dtype) for layer in layers}
+        self.row_tokens = np.full(max_context, -1, dtype=np.int64)  # [MAX]
+        self.kv_len = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.keys.values()) + sum(a.nbytes for a in self.values.values())
+
+    def feeds(self, layers: range) -> dict[str, np.ndarray]:
+        feeds = {}
+        for layer in layers:
+            feeds[names.past_key(layer)] = self.keys[layer]
+            feeds[names.past_value(layer)] = self.values[layer]
+        return feeds
+
+    def check_room(self, start: int, block: int) -> None:
+        if start + block > self.max_context:
+            raise ContextFullError(f"context full: {start} + {block} tokens exceed max context {self.max_context}")
+
+    def write_rows(self, layers: range, new_kv: Sequence[np.ndarray], start: int) -> None:
+        """Copy a block's new keys/values ([1,KVH,T,D] each, key then value per layer) into
+        rows [start, start+T); kv_len is left alone."""
+        for i, layer in enumerate(layers):
+            new_key, new_value = new_kv[2 * i], new_kv[2 * i + 1]
+            block = new_key.shape[2]
+            self.keys[layer][:, :, start : start + block] = new_key
+            self.values[layer][:, :, start : start + block] = new_value
+
+    def extend(self, token_ids: np.ndarray) -> None:
+        """Mark the rows just written for all layers as holding `token_ids`."""
+        block = len(token_ids)
+        self.row_tokens[self.kv_len : self.kv_len + block] = token_ids
+        self.kv_len += block
+
+    def rollback_to_prefix(self, committed: Sequence[int] | np.ndarray) -> int:
+        """Drop every row that is not the committed token at its position; returns kv_len.
+
+        After a speculative round that fed [pending, d1..dγ] and accepted n drafted tokens,
+        this keeps pending, d1..dn (the target cache), or everything the draft fed that was
+        accepted (the draft cache, then at most one token behind).
+        """
+        n = min(self.kv_len, len(committed))
+        committed = np.asarray(committed[:n], dtype=np.int64)
+        mismatch = np.flatnonzero(self.row_tokens[:n] != committed)
+        self.kv_len = int(mismatch[0]) if mismatch.size else n
+        return self.kv_len
+
+    def reset(self) -> None:
+        self.kv_len = 0

@@ -1,0 +1,70 @@
+"""One forward pass of a role over a block of tokens: its stage graphs in order, KV written."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edge_spec import names
+from edge_spec.manifest import ModelInfo, StageInfo
+from runtime.kv_cache import KVCache
+
+
+class ModelRunner:
+    """Runs a role's stages (embed ... head) on a block at position cache.kv_len.
+
+    Sessions are shared between roles (a layer-skip draft runs the target's trunk and head
+    sessions); the cache is the role's own, or the target's for a layer-skip draft.
+    """
+
+    def __init__(self, role: str, info: ModelInfo, stages: list[StageInfo], sessions: list, cache: KVCache):
+        self.role = role
+        self.info = info
+        self.stages = stages
+        self.sessions = sessions
+        self.cache = cache
+        self.vocab_size = info.arch.vocab_size
+        self._output_names = [list(stage.outputs) for stage in stages]
+
+    def run_stage(self, index: int, x: np.ndarray, start: int, logit_positions: np.ndarray | None = None) -> np.ndarray:
+        """Run stage `index` on x (ids [1,T] or hidden [1,T,H]) at position `start`, write its
+        KV rows, and return its first output (hidden [1,T,H] or logits [1,N,V])."""
+        stage = self.stages[index]
+        feeds = {stage.inputs[0]: x}
+        if stage.layers:
+            feeds[names.KV_LEN] = np.array([start], dtype=np.int64)
+            feeds.update(self.cache.feeds(stage.layers))
+        if stage.head:
+            feeds[names.LOGIT_POSITIONS] = logit_positions
+        outputs = self.sessions[index].run(self._output_names[index], feeds)
+        if stage.layers:
+            self.cache.write_rows(stage.layers, outputs[1:], start)
+        return outputs[0]
+
+    def forward(self, token_ids, n_logits: int | None = None, trunk_hidden: np.ndarray | None = None) -> np.ndarray:
+        """Feed token_ids [T] after the cache's kv_len; returns logits [N, V] for the last N
+        positions (all T by default) and extends the cache by T rows.
+
+        trunk_hidden [1,P,H]: the first stage's output for token_ids[:P], already computed
+        (and its KV rows written) by a layer-skip draft, so the first stage runs only the rest.
+        """
+        token_ids = np.asarray(token_ids, dtype=np.int64)
+        block = len(token_ids)
+        start = self.cache.kv_len
+        self.cache.check_room(start, block)
+        n_logits = block if n_logits is None else n_logits
+        logit_positions = np.arange(block - n_logits, block, dtype=np.int64)
+        done = 0 if trunk_hidden is None else trunk_hidden.shape[1]
+        x = token_ids[None, done:]
+        for index in range(len(self.stages)):
+            if index == 0 and done:
+                x = np.concatenate([trunk_hidden, self.run_stage(0, x, start + done)], axis=1)  # [1,T,H]
+                continue
+            x = self.run_stage(index, x, start if index else start + done, logit_positions)
+        self.cache.extend(token_ids)
+        return x[0]  # [N,V]
+
+    def prefill(self, token_ids, chunk: int = 256) -> None:
+        """Feed a long prompt in chunks (bounded activation memory) without asking for logits
+        beyond the last position of each chunk."""
+        for begin in range(0, len(token_ids), chunk):
+            self.forward(token_ids[begin : begin + chunk], n_logits=1)

@@ -1,0 +1,62 @@
+"""ONNX Runtime sessions: provider choice and session options, one session per stage graph."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import onnxruntime as ort
+
+# What each --provider value means, and the package that brings it.
+PROVIDERS = {
+    "cpu": ("CPUExecutionProvider", "onnxruntime"),
+    "cuda": ("CUDAExecutionProvider", "onnxruntime-gpu (pip install 'edge-spec[cuda]')"),
+    "dml": ("DmlExecutionProvider", "onnxruntime-directml on Windows (pip install 'edge-spec[directml]')"),
+    "coreml": ("CoreMLExecutionProvider", "onnxruntime on macOS"),
+}
+AUTO_ORDER = ("cuda", "dml", "coreml", "cpu")
+
+
+class ProviderError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    provider: str = "auto"
+    threads: int = 0  # 0: one per physical core, as ONNX Runtime chooses by default
+    allow_fallback: bool = False
+
+
+def resolve_provider(name: str, allow_fallback: bool = False) -> str:
+    """Map a --provider value to an available ONNX Runtime provider, or say what is missing."""
+    available = ort.get_available_providers()
+    if name == "auto":
+        for key in AUTO_ORDER:
+            if PROVIDERS[key][0] in available:
+                return key
+    if name not in PROVIDERS:
+        raise ProviderError(f"unknown provider {name!r} (auto, {', '.join(PROVIDERS)})")
+    if PROVIDERS[name][0] in available:
+        return name
+    if allow_fallback:
+        return "cpu"
+    raise ProviderError(
+        f"provider {name!r} ({PROVIDERS[name][0]}) is not available in this onnxruntime build "
+        f"(available: {', '.join(available)}); install {PROVIDERS[name][1]}, or pass --allow-fallback"
+    )
+
+
+def make_session(path, provider: str, config: SessionConfig) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.log_severity_level = 3
+    if config.threads:
+        options.intra_op_num_threads = config.threads
+    # Static KV: inputs keep their shapes, so ORT's memory-pattern planner helps on CPU.
+    options.enable_mem_pattern = provider != "dml"
+    providers = [PROVIDERS[provider][0]]
+    if provider != "cpu":
+        providers.append("CPUExecutionProvider")
+    return ort.InferenceSession(os.fspath(path), sess_options=options, providers=providers)
