@@ -112,6 +112,24 @@ def cmd_audit(args) -> int:
     return 0 if report.passed else 1
 
 
+def cmd_bench(args) -> int:
+    from pathlib import Path
+
+    from runtime.bench import MODES, load_prompts, run_bench, write_report
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        print(f"error: unknown mode(s) {unknown} (choose from {', '.join(MODES)})", file=sys.stderr)
+        return 2
+    if "plain" not in modes:
+        modes.insert(0, "plain")
+    results = run_bench(args.bundle, load_prompts(args.prompts), modes, args.max_new_tokens, args.repeat, args.threads)
+    write_report(results, Path(args.out))
+    print((Path(args.out) / "report.md").read_text())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m runtime", description="Run edge-spec bundles.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -133,6 +151,16 @@ def main(argv: list[str] | None = None) -> int:
     audit.add_argument("--seed", type=int, default=0)
     audit.add_argument("--json", action="store_true")
     audit.set_defaults(func=cmd_audit)
+
+    bench = sub.add_parser("bench", help="decode benchmark of several modes, side by side; writes JSON + Markdown")
+    bench.add_argument("bundle")
+    bench.add_argument("--prompts", default="humaneval:20", help="FILE.jsonl or humaneval[:N]")
+    bench.add_argument("--modes", default="plain,model,lookup,layer-skip,auto")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--repeat", type=int, default=1)
+    bench.add_argument("--threads", type=int, default=0)
+    bench.add_argument("--out", required=True)
+    bench.set_defaults(func=cmd_bench)
 
     args = parser.parse_args(argv)
     from edge_spec.manifest import BundleError

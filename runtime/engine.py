@@ -6,6 +6,7 @@ generations, so an Engine may be shared between threads (callers wait their turn
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import Counter
@@ -81,6 +82,7 @@ class Engine:
         self._caches: dict[str, KVCache] = {}
         self.target = self._runner("target", self.provider)
         self.drafter = self._make_drafter(config.drafter)
+        self._drafters = {config.drafter: self.drafter}
         self.costs = CostModel()
         self._lock = threading.Lock()
         if config.calibrate and self.drafter is not None:
@@ -124,6 +126,19 @@ class Engine:
         if kind == "auto":
             return MixedDrafter(PromptLookupDrafter(), self._model_drafter("auto"))
         return self._model_drafter(kind)
+
+    def use_drafter(self, kind: str, gamma: int | None = None) -> None:
+        """Switch drafter (and γ policy) without reloading: sessions and buffers are reused."""
+        if kind not in DRAFTERS:
+            raise ValueError(f"unknown drafter {kind!r} (choose from {', '.join(DRAFTERS)})")
+        with self._lock:
+            self.config = dataclasses.replace(self.config, drafter=kind, gamma=gamma)
+            if kind not in self._drafters:
+                self._drafters[kind] = self._make_drafter(kind)
+            self.drafter = self._drafters[kind]
+            measured = self.costs.target and all(p.name in self.costs.draft_step for p in self.drafter.parts() if p.costs_passes) if self.drafter else True
+            if self.config.calibrate and not measured:
+                self.calibrate()
 
     def calibrate(self, repeats: int = 2) -> None:
         """Time target passes for every block size γ+1 may take, and one draft step, on this
