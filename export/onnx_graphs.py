@@ -63,7 +63,7 @@ def export_stage(stage: StageModule, layers: range, max_context: int, hidden_siz
                 input_names=input_names,
                 output_names=output_names,
                 dynamic_axes=dynamic_axes,
-                opset_version=17,
+                opset_version=20,  # ≥ 18 so reductions take axes as inputs, as the int4 quantizer (opset 21) expects
                 do_constant_folding=True,
                 dynamo=False,
             )

@@ -63,7 +63,7 @@ class GenerationResult:
     text: str
     prompt_ids: list[int]
     token_ids: list[int]
-    stop_reason: str  # eos | stop | length | context
+    stop_reason: str  # eos | stop | length | context | cancelled
     timings: dict
     stats: dict
 
@@ -189,15 +189,18 @@ class Engine:
             )
 
     def stream(
-        self, prompt_ids: list[int], config: GenerateConfig = GenerateConfig(), speculative: bool = True
+        self, prompt_ids: list[int], config: GenerateConfig = GenerateConfig(), speculative: bool = True,
+        cancel: threading.Event | None = None,
     ) -> Iterator[tuple[str, GenerationResult | None]]:
         """Yields (text piece, None) as tokens are accepted, then ("", result) once.
-        speculative=False decodes plainly with the same sessions (for comparisons)."""
+        speculative=False decodes plainly with the same sessions (for comparisons).
+        cancel: an Event another thread may set; generation then stops after the current
+        target pass and the result's stop_reason is "cancelled"."""
         self._check_prompt(prompt_ids)
         with self._lock:
-            yield from self._stream_locked(list(prompt_ids), config, self.drafter if speculative else None)
+            yield from self._stream_locked(list(prompt_ids), config, self.drafter if speculative else None, cancel)
 
-    def _stream_locked(self, prompt_ids: list[int], config: GenerateConfig, drafter: Drafter | None):
+    def _stream_locked(self, prompt_ids: list[int], config: GenerateConfig, drafter: Drafter | None, cancel: threading.Event | None = None):
         rng = np.random.default_rng(config.sampling.seed)
         max_context = self.target.cache.max_context
         eos = self.tokenizer.eos_token_ids
@@ -232,14 +235,19 @@ class Engine:
                 yield piece, None
             if stop_reason is None and len(prompt_ids) + len(generated) >= max_context:
                 stop_reason = "context"
+            if stop_reason is None and cancel is not None and cancel.is_set():
+                stop_reason = "cancelled"
             if stop_reason is not None:
                 break
         ended = time.perf_counter()
         yield "", self._result(text, prompt_ids, generated, stop_reason, steps, began, first_step_at, ended)
 
-    def generate(self, prompt_ids: list[int], config: GenerateConfig = GenerateConfig(), speculative: bool = True) -> GenerationResult:
+    def generate(
+        self, prompt_ids: list[int], config: GenerateConfig = GenerateConfig(), speculative: bool = True,
+        cancel: threading.Event | None = None,
+    ) -> GenerationResult:
         result = None
-        for _, result in self.stream(prompt_ids, config, speculative):
+        for _, result in self.stream(prompt_ids, config, speculative, cancel):
             pass
         return result
 

@@ -59,4 +59,10 @@ def make_session(path, provider: str, config: SessionConfig) -> ort.InferenceSes
     providers = [PROVIDERS[provider][0]]
     if provider != "cpu":
         providers.append("CPUExecutionProvider")
-    return ort.InferenceSession(os.fspath(path), sess_options=options, providers=providers)
+    try:
+        return ort.InferenceSession(os.fspath(path), sess_options=options, providers=providers)
+    except Exception as exc:  # ORT raises its own pybind types; name the file and the cause
+        from edge_spec.manifest import BundleError
+
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise BundleError(f"ONNX Runtime cannot load {path}: {first_line}") from None

@@ -80,7 +80,7 @@ def make_tokenizer(variant: str = "a", vocab_size: int = 400):
     return tok
 
 
-def _randomize(model, seed: int, bias_scale: float = 0.0) -> None:
+def _randomize(model, seed: int, bias_scale: float = 0.0, weight_scale: float = 1.5) -> None:
     """Weights large enough that logits have clear winners (the default init gives near-ties
     that float noise could flip), random norm scales, and optional non-zero biases."""
     import torch
@@ -92,11 +92,11 @@ def _randomize(model, seed: int, bias_scale: float = 0.0) -> None:
                 param.copy_(1.0 + 0.3 * torch.randn(param.shape, generator=gen))
             elif name.endswith(".bias"):
                 param.copy_(bias_scale * torch.randn(param.shape, generator=gen))
-            elif "embed_tokens" in name:
+            elif "embed_tokens" in name or "lm_head" in name:
                 param.copy_(torch.randn(param.shape, generator=gen))
             else:
                 fan_in = param.shape[-1]
-                param.copy_(torch.randn(param.shape, generator=gen) * (1.5 / fan_in**0.5))
+                param.copy_(torch.randn(param.shape, generator=gen) * (weight_scale / fan_in**0.5))
 
 
 def _save(model, tok, folder: Path) -> Path:
@@ -140,15 +140,19 @@ def llama_config(n_vocab: int, n_layers: int = 4, hidden: int = 64, heads: int =
     )
 
 
-def make_llama(folder: Path, tok, n_layers: int = 4, extra_rows: int = 0, seed: int = 0, hidden: int = 64) -> Path:
-    """Llama with llama3 rope scaling, GQA (4 heads, 2 KV heads), tied embeddings."""
+def make_llama(
+    folder: Path, tok, n_layers: int = 4, extra_rows: int = 0, seed: int = 0, hidden: int = 64, weight_scale: float = 1.5,
+    tie: bool = True,
+) -> Path:
+    """Llama with llama3 rope scaling, GQA (4 heads, 2 KV heads), tied embeddings.
+    A smaller weight_scale gives a less chaotic network (quantization noise grows less)."""
     import torch
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = llama_config(len(tok) + extra_rows, n_layers=n_layers, hidden=hidden)
+    config = llama_config(len(tok) + extra_rows, n_layers=n_layers, hidden=hidden, tie=tie)
     model = LlamaForCausalLM(config).eval()
-    _randomize(model, seed)
+    _randomize(model, seed, weight_scale=weight_scale)
     return _save(model, tok, folder)
 
 

@@ -1,0 +1,98 @@
+"""Session fixtures: tiny random-weight HF folders and the bundles exported from them.
+
+Building every folder takes a few seconds and each fp32 export a second or two, so they are
+made once per session and shared (read-only: tests that alter a bundle copy it first).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# Two cores shared with other jobs: keep torch and ONNX Runtime from oversubscribing them.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+@dataclass(frozen=True)
+class TinyModels:
+    root: Path
+    llama: Path  # target: llama3 rope, GQA, tied embeddings, 4 layers
+    qwen2: Path  # target: q/k/v biases, GQA, untied, 3 layers
+    llama_quant: Path  # untied llama with gentler weights (quantization noise grows less)
+    draft: Path  # 2-layer llama, same tokenizer
+    draft_padded: Path  # 2-layer llama, same tokenizer, LM head padded by 64 rows
+    draft_other_vocab: Path  # 2-layer llama with another tokenizer
+    mistral: Path  # config + tokenizer only (unsupported architecture)
+    gpt2: Path  # config + tokenizer only (unsupported architecture)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> TinyModels:
+    import torch
+
+    torch.set_num_threads(1)
+    import tiny
+
+    root = tmp_path_factory.mktemp("tiny_models")
+    tok = tiny.make_tokenizer("a")
+    other = tiny.make_tokenizer("b")
+    return TinyModels(
+        root=root,
+        llama=tiny.make_llama(root / "llama", tok, n_layers=4, seed=0),
+        qwen2=tiny.make_qwen2(root / "qwen2", tok, n_layers=3, seed=1),
+        llama_quant=tiny.make_llama(root / "llama_quant", tok, n_layers=4, seed=3, weight_scale=0.5, tie=False),
+        draft=tiny.make_llama(root / "draft", tok, n_layers=2, seed=5),
+        draft_padded=tiny.make_llama(root / "draft_padded", tok, n_layers=2, extra_rows=64, seed=7),
+        draft_other_vocab=tiny.make_llama(root / "draft_other", other, n_layers=2, seed=8),
+        mistral=tiny.make_unsupported(root / "mistral", tok, "mistral"),
+        gpt2=tiny.make_unsupported(root / "gpt2", tok, "gpt2"),
+    )
+
+
+def _export(tmp_path_factory, name, model, **kwargs) -> Path:
+    import tiny
+
+    out = tmp_path_factory.mktemp("bundles") / name
+    tiny.export(model, out, **kwargs)
+    return out
+
+
+@pytest.fixture(scope="session")
+def llama_bundle(tmp_path_factory, tiny_models) -> Path:
+    """fp32 llama target with a draft model and a layer-skip draft (1 of 4 layers)."""
+    return _export(tmp_path_factory, "llama-fp32", tiny_models.llama, drafts=(str(tiny_models.draft), "layer-skip:1"))
+
+
+@pytest.fixture(scope="session")
+def qwen2_bundle(tmp_path_factory, tiny_models) -> Path:
+    """fp32 qwen2 target with the (llama, same tokenizer) draft and a layer-skip draft."""
+    return _export(tmp_path_factory, "qwen2-fp32", tiny_models.qwen2, drafts=(str(tiny_models.draft), "layer-skip:2"))
+
+
+@pytest.fixture(scope="session")
+def bundles(llama_bundle, qwen2_bundle) -> dict[str, Path]:
+    return {"llama": llama_bundle, "qwen2": qwen2_bundle}
+
+
+@pytest.fixture(scope="session")
+def hf_models(tiny_models) -> dict:
+    """transformers (model, tokenizer) for each target folder, float32, eval mode."""
+    import tiny
+
+    return {"llama": tiny.load_hf(tiny_models.llama), "qwen2": tiny.load_hf(tiny_models.qwen2)}
+
+
+@pytest.fixture(scope="session")
+def quant_bundles(tmp_path_factory, tiny_models) -> dict[str, Path]:
+    """fp32, int8 and int4 bundles (target only) of the gentler llama, for smoke tests."""
+    return {q: _export(tmp_path_factory, f"llama-{q}", tiny_models.llama_quant, quant=q) for q in ("fp32", "int8", "int4")}

@@ -1,0 +1,93 @@
+"""Real-weight fixtures: the official files from $EDGE_SPEC_MODELS and bundles built from them.
+
+Without the files these tests skip, naming the file and how to get it; CI sets
+EDGE_SPEC_REQUIRE_MODELS=1 so that a missing file fails instead. Bundles are cached under
+$EDGE_SPEC_BUNDLES (default ~/.cache/edge-spec/bundles), keyed by a hash of the exporter's
+source, so an exporter change rebuilds them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from edge_spec.catalog import CATALOG, models_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+REQUIRE = os.environ.get("EDGE_SPEC_REQUIRE_MODELS") == "1"
+
+QWEN_TARGET = CATALOG["qwen2.5-coder-1.5b"].gguf_file
+QWEN_DRAFT = CATALOG["qwen2.5-coder-0.5b"].gguf_file
+SMOLLM2 = CATALOG["smollm2-135m"].gguf_file
+HUMANEVAL = "HumanEval.jsonl.gz"
+LAYER_SKIP = "layer-skip:16"
+
+
+def need(*files: str) -> Path:
+    folder = models_dir()
+    missing = [f for f in files if not (folder / f).is_file()]
+    if missing:
+        message = (
+            f"needs {', '.join(missing)} in {folder} (set EDGE_SPEC_MODELS, or fetch them with "
+            "shared/models/fetch.sh in this workplace)"
+        )
+        if REQUIRE:
+            pytest.fail(message)
+        pytest.skip(message)
+    return folder
+
+
+def _exporter_hash() -> str:
+    digest = hashlib.sha256()
+    # What decides a bundle's bytes: the exporter, and the contract's names and manifest.
+    sources = sorted((ROOT / "export").rglob("*.py")) + [ROOT / "edge_spec" / f for f in ("names.py", "manifest.py", "catalog.py")]
+    for path in sources:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def bundles_root() -> Path:
+    return Path(os.environ.get("EDGE_SPEC_BUNDLES", Path.home() / ".cache" / "edge-spec" / "bundles"))
+
+
+# name -> (model, quant, drafts, max_context)
+REAL_BUNDLES = {
+    "smollm2-fp32": ("smollm2-135m", "fp32", ("layer-skip:10",), 2048),
+    "qwen-pair-int4": ("qwen2.5-coder-1.5b", "int4", ("qwen2.5-coder-0.5b", LAYER_SKIP), 2048),
+    "qwen-pair-int8": ("qwen2.5-coder-1.5b", "int8", ("qwen2.5-coder-0.5b", LAYER_SKIP), 2048),
+    "qwen15-fp32": ("qwen2.5-coder-1.5b", "fp32", (), 1024),
+}
+
+
+def _bundle_path(name: str) -> Path:
+    return bundles_root() / f"{name}-{_exporter_hash()}"
+
+
+def bundle(name: str) -> Path:
+    """A real bundle, exported once per exporter version through the export package, in a
+    child process (its checkpoints' memory is returned before the tests load anything).
+    Every missing bundle of the same target is built in that one process, so each
+    checkpoint is loaded once."""
+    out = _bundle_path(name)
+    if not (out / "manifest.json").is_file():
+        model = REAL_BUNDLES[name][0]
+        todo = [n for n, spec in REAL_BUNDLES.items() if spec[0] == model and not (_bundle_path(n) / "manifest.json").is_file()]
+        configs = [
+            f"ExportConfig({REAL_BUNDLES[n][0]!r}, Path({str(_bundle_path(n))!r}), {REAL_BUNDLES[n][1]!r}, {REAL_BUNDLES[n][3]}, {REAL_BUNDLES[n][2]!r}, force=True)"
+            for n in todo
+        ]
+        script = "from pathlib import Path\nfrom export.bundle import ExportConfig, export_bundles\nexport_bundles([" + ", ".join(configs) + "])"
+        subprocess.run([sys.executable, "-c", script], cwd=ROOT, check=True)
+    return out
+
+
+def humaneval_messages(count: int) -> list[list[dict]]:
+    """The bench's HumanEval chat prompts, so tests and BENCHMARKS.md speak of the same text."""
+    from runtime.bench import load_prompts
+
+    return [list(p.messages) for p in load_prompts(f"humaneval:{count}")]

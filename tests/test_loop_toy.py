@@ -1,0 +1,349 @@
+"""The speculative loop on a numpy toy language model (no ONNX), and the γ controller.
+
+The toy target reads its context from a real KVCache (the token of each row is stored in the
+key buffer), so a loop that fails to roll back, or feeds a token twice, changes its logits.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from edge_spec.sampling import SamplingConfig
+from edge_spec.verify import expected_tokens_per_pass
+from runtime.drafters.base import Drafter, Proposal
+from runtime.engine import Engine
+from runtime.gamma import CostModel, GammaConfig, GammaController
+from runtime.kv_cache import KVCache
+from runtime.loop import decode_steps
+
+VOCAB = 50
+GREEDY = SamplingConfig()
+
+
+class ToyLM:
+    """logits(context) = bigram[last token] + mix[sum(context) % 7]: depends on the whole
+    context, deterministic, and with clear argmax winners."""
+
+    def __init__(self, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        self.bigram = rng.normal(0, 3, size=(VOCAB, VOCAB))  # [V,V]
+        self.mix = rng.normal(0, 3, size=(7, VOCAB))  # [7,V]
+
+    def logits(self, context) -> np.ndarray:
+        context = [int(t) for t in context]
+        return self.bigram[context[-1]] + self.mix[sum(context) % 7]  # [V]
+
+    def greedy(self, prompt, n) -> list[int]:
+        tokens = list(prompt)
+        for _ in range(n):
+            tokens.append(int(np.argmax(self.logits(tokens))))
+        return tokens[len(prompt) :]
+
+
+class ToyRunner:
+    """ModelRunner's interface over a real KVCache: one layer, one head, head_dim 1."""
+
+    def __init__(self, lm: ToyLM, max_context: int = 256):
+        self.lm = lm
+        self.cache = KVCache(range(1), n_kv_heads=1, max_context=max_context, head_dim=1)
+        self.vocab_size = VOCAB
+        self.fed: list[int] = []  # block sizes, for checks
+
+    def forward(self, token_ids, n_logits=None, trunk_hidden=None):
+        assert trunk_hidden is None
+        token_ids = np.asarray(token_ids, dtype=np.int64)
+        block, start = len(token_ids), self.cache.kv_len
+        self.cache.check_room(start, block)
+        past = self.cache.keys[0][0, 0, :start, 0].astype(np.int64).tolist()  # only valid rows
+        rows = []
+        for i in range(block):
+            rows.append(self.lm.logits(past + token_ids[: i + 1].tolist()))
+        new = token_ids.astype(np.float32).reshape(1, 1, block, 1)
+        self.cache.write_rows(self.cache.layers, [new, new], start)
+        self.cache.extend(token_ids)
+        self.fed.append(block)
+        n_logits = block if n_logits is None else n_logits
+        return np.stack(rows)[block - n_logits :]  # [N,V]
+
+    def prefill(self, token_ids, chunk: int = 256):
+        for begin in range(0, len(token_ids), chunk):
+            self.forward(token_ids[begin : begin + chunk], n_logits=1)
+
+
+class ScriptedDrafter(Drafter):
+    """Drafts the target's greedy continuation, except at scripted positions (one list per
+    round: the positions in the block that get a wrong token)."""
+
+    name = "scripted"
+
+    def __init__(self, lm: ToyLM, script: list[list[int]] | None = None, alpha: float | None = None, seed: int = 0):
+        self.lm, self.script, self.alpha = lm, list(script or []), alpha
+        self.rng = np.random.default_rng(seed)
+        self.rounds = 0
+        self.accepted_calls: list[tuple[int, int]] = []
+        self.reset_calls = 0
+
+    def propose(self, tokens, gamma, sampling, rng):
+        wrong = set(self.script[self.rounds]) if self.rounds < len(self.script) else set()
+        self.rounds += 1
+        context, drafted = [int(t) for t in tokens], []
+        for i in range(gamma):
+            right = int(np.argmax(self.lm.logits(context)))
+            bad = i in wrong or (self.alpha is not None and self.rng.random() >= self.alpha)
+            token = (right + 1 + int(self.rng.integers(VOCAB - 1))) % VOCAB if bad else right
+            assert (token == right) == (not bad)
+            drafted.append(token)
+            context.append(token)
+        return Proposal(np.array(drafted, dtype=np.int64), None)
+
+    def accepted(self, tokens, n_accepted):
+        self.accepted_calls.append((len(tokens), n_accepted))
+
+    def reset(self, tokens=np.zeros(0, dtype=np.int64)):
+        self.reset_calls += 1
+
+
+def _run(lm, drafter, gamma, prompt, n_tokens, max_context=256):
+    target = ToyRunner(lm, max_context)
+    costs = CostModel()
+    controllers = {} if drafter is None else {drafter.name: GammaController(GammaConfig(fixed=gamma), costs)}
+    steps, committed = [], list(prompt)
+    for step in decode_steps(target, drafter, list(prompt), GREEDY, np.random.default_rng(0), controllers, costs):
+        steps.append(step)
+        committed += list(step.tokens)
+        # The loop invariant: every committed token but the pending last one is in the cache.
+        assert target.cache.kv_len == len(committed) - 1
+        assert target.cache.row_tokens[: len(committed) - 1].tolist() == committed[:-1]
+        assert target.cache.keys[0][0, 0, : len(committed) - 1, 0].tolist() == committed[:-1]
+        if len(committed) - len(prompt) >= n_tokens:
+            break
+    return steps, committed[len(prompt) :], target
+
+
+PROMPT = [3, 14, 15, 9, 26]
+
+
+def test_plain_loop_is_greedy():
+    lm = ToyLM()
+    steps, out, target = _run(lm, None, 0, PROMPT, 20)
+    assert out == lm.greedy(PROMPT, 20)
+    assert all(s.tokens and len(s.tokens) == 1 and s.gamma == 0 and s.n_drafted == 0 for s in steps)
+    assert target.fed[0] == len(PROMPT) - 1 and set(target.fed[1:]) == {1}  # prefill, then 1 per step
+
+
+@pytest.mark.parametrize("gamma", [1, 2, 4, 7])
+def test_speculative_greedy_equals_plain(gamma):
+    lm = ToyLM(1)
+    rng = np.random.default_rng(gamma)
+    script = [sorted(rng.choice(gamma, size=rng.integers(0, gamma + 1), replace=False).tolist()) for _ in range(60)]
+    drafter = ScriptedDrafter(lm, script)
+    steps, out, target = _run(lm, drafter, gamma, PROMPT, 40)
+    assert out[:40] == lm.greedy(PROMPT, 40)[: len(out[:40])]
+    assert len(out) >= 40
+    for i, step in enumerate(steps):
+        wrong = script[i]
+        expected_accepted = min(wrong) if wrong else gamma
+        assert step.n_drafted == gamma
+        assert step.n_accepted == expected_accepted
+        assert len(step.tokens) == step.n_accepted + 1
+        assert step.drafter == "scripted" and step.gamma == gamma
+    assert target.fed[1:] == [gamma + 1] * len(steps)  # one verify pass per round
+    assert drafter.reset_calls == 1
+    assert [n for _, n in drafter.accepted_calls] == [s.n_accepted for s in steps]
+
+
+@pytest.mark.parametrize(
+    "wrong,expected",
+    [([0], 0), ([3], 3), ([], 4), ([1, 2], 1), ([0, 1, 2, 3], 0)],
+    ids=["first", "last", "all-accepted", "middle", "all-wrong"],
+)
+def test_rejection_paths(wrong, expected):
+    lm = ToyLM(2)
+    gamma = 4
+    drafter = ScriptedDrafter(lm, [wrong, [], wrong])
+    steps, out, target = _run(lm, drafter, gamma, PROMPT, 3 * (gamma + 1))
+    reference = lm.greedy(PROMPT, len(out))
+    assert out == reference
+    first = steps[0]
+    assert first.n_accepted == expected
+    assert len(first.tokens) == expected + 1
+    # The last token is the target's own choice: the correction, or the bonus after γ accepts.
+    assert first.tokens[-1] == reference[expected]
+    assert steps[1].n_accepted == gamma  # a clean round right after a rejection
+    assert target.cache.kv_len == len(PROMPT) + len(out) - 1
+
+
+def test_gamma_one_alternating():
+    lm = ToyLM(3)
+    drafter = ScriptedDrafter(lm, [[0], [], [0], []] * 5)
+    steps, out, _ = _run(lm, drafter, 1, PROMPT, 25)
+    assert out[:25] == lm.greedy(PROMPT, 25)
+    assert [s.n_accepted for s in steps[:4]] == [0, 1, 0, 1]
+    assert [len(s.tokens) for s in steps[:4]] == [1, 2, 1, 2]
+
+
+def test_gamma_capped_by_context():
+    """Near the end of the buffer γ shrinks so the verify block always fits."""
+    lm = ToyLM(4)
+    drafter = ScriptedDrafter(lm)
+    max_context = 24
+    steps, out, target = _run(lm, drafter, 6, PROMPT, max_context - len(PROMPT), max_context=max_context)
+    assert out == lm.greedy(PROMPT, len(out))
+    length = len(PROMPT)
+    for step in steps:
+        assert step.gamma == min(6, max_context - length)
+        length += len(step.tokens)
+    assert steps[-1].gamma < 6  # the cap was reached
+    assert max_context <= length <= max_context + 1
+    assert max(target.fed) <= 7 and target.cache.kv_len == length - 1 <= max_context
+
+
+def test_prompt_prefix_rows_are_reused():
+    """A cache already holding a prefix of the prompt is not fed that prefix again."""
+    lm = ToyLM(5)
+    target = ToyRunner(lm)
+    target.prefill(PROMPT + [1, 2, 3])
+    target.fed.clear()
+    prompt = PROMPT + [7, 8]
+    step = next(decode_steps(target, None, prompt, GREEDY, np.random.default_rng(0), {}, CostModel()))
+    assert target.fed == [1, 1]  # only prompt[5] (7) was prefilled; then the pending 8
+    assert step.tokens == (lm.greedy(prompt, 1)[0],)
+
+
+# -- γ controller ------------------------------------------------------------------------------
+
+
+def _costs(target_per_block: dict[int, float]) -> CostModel:
+    costs = CostModel()
+    for block, seconds in target_per_block.items():
+        costs.record_target(block, seconds)
+    return costs
+
+
+def _with_alpha(alpha: float, costs: CostModel, config: GammaConfig = GammaConfig()) -> GammaController:
+    controller = GammaController(config, costs, prior_alpha=alpha)
+    assert controller.alpha == pytest.approx(alpha)
+    return controller
+
+
+def test_fixed_gamma_is_returned_as_is():
+    controller = GammaController(GammaConfig(fixed=5), _costs({1: 1.0}))
+    assert controller.choose(100.0) == 5
+    controller.update(5, 0)
+    assert controller.choose(100.0) == 5
+
+
+def test_expensive_draft_chooses_zero():
+    costs = _costs({1: 1.0, 2: 1.0, 9: 1.0})
+    assert _with_alpha(0.9, costs).choose(draft_step_cost=1.5) == 0
+
+
+def test_low_alpha_chooses_zero():
+    costs = _costs({1: 1.0, 9: 1.8})  # a bigger block costs more
+    assert _with_alpha(0.05, costs).choose(draft_step_cost=0.01) == 0
+
+
+def test_cheap_draft_high_alpha_speculates():
+    costs = _costs({1: 1.0, 9: 1.2})
+    controller = _with_alpha(0.9, costs)
+    gamma = controller.choose(draft_step_cost=0.02)
+    assert 1 <= gamma <= 8
+    gains = [controller.expected_speedup(g, 0.02) for g in range(9)]
+    assert gamma == int(np.argmax(gains)) and gains[gamma] > 2.0
+    # γ = 0 is a plain step: speedup 1 exactly.
+    assert controller.expected_speedup(0, 0.02) == 1.0
+    # The formula: E(α, γ) · t(1) / (γ c + t(γ+1)).
+    t3 = costs.target_cost(4)
+    assert t3 == pytest.approx(1.0 + 0.2 * 3 / 8)  # interpolated between 1 and 9
+    assert controller.expected_speedup(3, 0.02) == pytest.approx(expected_tokens_per_pass(0.9, 3) * 1.0 / (3 * 0.02 + t3))
+
+
+def test_higher_alpha_never_shortens_gamma():
+    costs = _costs({1: 1.0, 9: 1.5})
+    chosen = [_with_alpha(a, costs).choose(0.05) for a in (0.5, 0.7, 0.8, 0.9, 0.95)]
+    assert chosen == sorted(chosen) and chosen[-1] > chosen[0]
+
+
+def test_probes_after_probe_every_plain_steps():
+    costs = _costs({1: 1.0, 2: 1.0})
+    controller = _with_alpha(0.5, costs, GammaConfig(probe_every=5))
+    choices = [controller.choose(draft_step_cost=3.0) for _ in range(11)]
+    assert choices[:4] == [0, 0, 0, 0]
+    assert choices[4] >= 1  # the 5th plain step probes
+    assert choices[5:9] == [0, 0, 0, 0] and choices[9] >= 1  # and the count starts again
+    assert choices[10] == 0
+
+
+def test_alpha_update_is_the_truncated_geometric_mle():
+    controller = GammaController(GammaConfig(decay=1.0), CostModel(), prior_alpha=0.5)  # 1 + 1 pseudo-counts
+    controller.update(4, 2)  # 2 accepted, then a rejection
+    assert controller.alpha == pytest.approx(3 / 5)
+    controller.update(3, 3)  # all accepted: no rejection observed
+    assert controller.alpha == pytest.approx(6 / 8)
+    controller.update(0, 0)  # nothing drafted: no information
+    assert controller.alpha == pytest.approx(6 / 8)
+    decayed = GammaController(GammaConfig(decay=0.5), CostModel(), prior_alpha=0.5)
+    decayed.update(2, 0)
+    assert decayed.alpha == pytest.approx(0.5 / (0.5 + 1.5))
+
+
+def test_alpha_estimate_converges_to_true_acceptance():
+    rng = np.random.default_rng(0)
+    controller = GammaController(GammaConfig(decay=1.0), CostModel())
+    alpha, gamma = 0.7, 4
+    for _ in range(3000):
+        n = 0
+        while n < gamma and rng.random() < alpha:
+            n += 1
+        controller.update(gamma, n)
+    assert controller.alpha == pytest.approx(alpha, abs=0.02)
+
+
+def test_cost_model_ema_and_ratio():
+    costs = CostModel(smoothing=0.5)
+    assert costs.target_cost(3) == 1.0 and costs.cost_ratio("x") is None
+    costs.record_target(1, 2.0)
+    costs.record_target(1, 4.0)
+    assert costs.target[1] == pytest.approx(3.0)
+    costs.record_draft("x", 3, 3.0)
+    costs.record_draft("x", 0, 99.0)  # no steps: ignored
+    assert costs.cost_ratio("x") == pytest.approx(1.0 / 3.0)
+    costs.record_target(5, 7.0)
+    assert costs.target_cost(3) == pytest.approx(5.0) and costs.target_cost(9) == pytest.approx(7.0)
+
+
+# -- acceptance statistics through the loop -----------------------------------------------------
+
+
+@pytest.mark.parametrize("alpha,gamma", [(0.6, 3), (0.85, 5)])
+def test_tokens_per_pass_matches_formula(alpha, gamma):
+    """Drafts accepted i.i.d. with probability α: the reported tokens per pass and
+    acceptance match (1 − α^(γ+1))/(1 − α) and α(1 − α^γ)/((1 − α)γ) within a few SE."""
+    lm = ToyLM(6)
+    drafter = ScriptedDrafter(lm, alpha=alpha, seed=1)
+    n_tokens = 3000
+    steps, out, _ = _run(lm, drafter, gamma, [1, 2], n_tokens, max_context=n_tokens + 64)
+    assert out[:200] == lm.greedy([1, 2], 200)
+    per_pass = np.array([len(s.tokens) for s in steps], dtype=np.float64)
+    expected = expected_tokens_per_pass(alpha, gamma)
+    standard_error = per_pass.std(ddof=1) / math.sqrt(len(per_pass))
+    generated = out[:n_tokens]
+    # The stats the engine reports for these steps.
+    result = Engine._result(SimpleNamespace(costs=CostModel()), "", [1, 2], generated, "length", steps, 0.0, 0.1, 1.0)
+    stats = result.stats
+    assert stats["target_passes"] == len(steps)
+    assert stats["tokens_per_pass"] == pytest.approx(len(generated) / len(steps))
+    assert abs(stats["tokens_per_pass"] - expected) < 4 * standard_error + 2 / len(steps)
+    accepted = np.array([s.n_accepted for s in steps], dtype=np.float64)
+    expected_rate = alpha * (1 - alpha**gamma) / ((1 - alpha) * gamma)
+    rate_se = accepted.std(ddof=1) / gamma / math.sqrt(len(steps))
+    assert abs(stats["acceptance_rate"] - expected_rate) < 4 * rate_se
+    assert stats["gamma_histogram"] == {str(gamma): len(steps)}
+    # And the truncated-geometric MLE recovers α itself.
+    rejections = sum(s.n_accepted < s.n_drafted for s in steps)
+    mle = accepted.sum() / (accepted.sum() + rejections)
+    assert abs(mle - alpha) < 0.04

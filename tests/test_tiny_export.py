@@ -1,0 +1,365 @@
+"""End to end on tiny random-weight checkpoints: HF folder -> export -> bundle -> runtime.
+
+The runtime must reproduce transformers' float32 logits and greedy tokens, tokenize like the
+HF tokenizer, and speculate exactly (every drafter gives plain greedy's tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+import tiny
+from edge_spec.sampling import SamplingConfig
+from runtime.engine import Engine, EngineConfig, GenerateConfig
+
+ARCHS = ("llama", "qwen2")
+DRAFTERS = ("model", "layer-skip", "lookup", "auto")
+
+
+def _engine(bundle, drafter="none", gamma=None, calibrate=False) -> Engine:
+    return Engine(bundle, EngineConfig(drafter=drafter, gamma=gamma, calibrate=calibrate))
+
+
+@pytest.fixture(scope="module")
+def plain_engines(bundles):
+    return {arch: _engine(bundles[arch]) for arch in ARCHS}
+
+
+def _prompt_ids(hf_models, arch, text=tiny.PROMPT) -> list[int]:
+    return hf_models[arch][1](text).input_ids
+
+
+# -- logits ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_match_transformers(arch, plain_engines, hf_models):
+    model, tok = hf_models[arch]
+    ids = _prompt_ids(hf_models, arch)
+    engine = plain_engines[arch]
+    engine.target.cache.reset()
+    got = engine.target.forward(ids)  # [T, V]
+    ref = tiny.hf_logits(model, ids)  # [T, V]
+    assert got.shape == ref.shape == (len(ids), len(tok))
+    np.testing.assert_allclose(got, ref, atol=1e-4, rtol=1e-5)
+    assert engine.target.cache.kv_len == len(ids)
+
+
+def test_logits_match_past_original_rope_window(plain_engines, hf_models):
+    """llama3 rope scaling (original window 32): positions past 32 still match."""
+    model, tok = hf_models["llama"]
+    ids = _prompt_ids(hf_models, "llama", " ".join([tiny.PROMPT] * 4))[:60]
+    assert len(ids) > 40
+    engine = plain_engines["llama"]
+    engine.target.cache.reset()
+    got = engine.target.forward(ids)
+    np.testing.assert_allclose(got, tiny.hf_logits(model, ids), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_incremental_feeding_equals_one_shot(arch, plain_engines, hf_models):
+    ids = _prompt_ids(hf_models, arch)
+    runner = plain_engines[arch].target
+    runner.cache.reset()
+    one_shot = runner.forward(ids)
+    runner.cache.reset()
+    pieces = [runner.forward(ids[:5]), runner.forward(ids[5:9])]
+    pieces += [runner.forward(ids[i : i + 1]) for i in range(9, len(ids))]
+    np.testing.assert_allclose(np.concatenate(pieces), one_shot, atol=1e-4, rtol=1e-5)
+    # Chunked prefill (logits only for each chunk's end), then the last token alone.
+    runner.cache.reset()
+    runner.prefill(ids[:-1], chunk=4)
+    assert runner.cache.kv_len == len(ids) - 1
+    assert list(runner.cache.row_tokens[: len(ids) - 1]) == ids[:-1]
+    np.testing.assert_allclose(runner.forward(ids[-1:])[-1], one_shot[-1], atol=1e-4, rtol=1e-5)
+    # n_logits: only the last rows of a block.
+    runner.cache.reset()
+    last_two = runner.forward(ids, n_logits=2)
+    assert last_two.shape == (2, one_shot.shape[1])
+    np.testing.assert_allclose(last_two, one_shot[-2:], atol=1e-4, rtol=1e-5)
+
+
+# -- greedy generation -------------------------------------------------------------------------
+
+
+def _hf_greedy(model, ids, n):
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=n, min_new_tokens=0)
+    return out[0, len(ids) :].tolist()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_tokens_match_transformers(arch, plain_engines, hf_models):
+    model, tok = hf_models[arch]
+    ids = _prompt_ids(hf_models, arch)
+    ref = _hf_greedy(model, ids, 20)
+    result = plain_engines[arch].generate(ids, GenerateConfig(max_new_tokens=20))
+    eos = tok.convert_tokens_to_ids(tiny.EOS)
+    # Both stop right after an EOS (and include it); otherwise both run 20 tokens.
+    assert result.token_ids == ref
+    assert result.prompt_ids == ids
+    assert result.stop_reason == ("eos" if ref and ref[-1] == eos else "length")
+    text = tok.decode(ref, skip_special_tokens=True)
+    if "\ufffd" not in text:
+        assert result.text == text
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_runtime_tokenizer_matches_hf(arch, plain_engines, hf_models):
+    _, tok = hf_models[arch]
+    engine = plain_engines[arch]
+    for text in (tiny.PROMPT, "Hello, wörld! 123 ✓ def f(x): return x", "  two  spaces\nnewline\t tab", "<|user|>x</s>"):
+        assert engine.encode(prompt=text) == tok(text).input_ids, text
+    assert engine.encode(prompt="the cat")[0] == tok.convert_tokens_to_ids(tiny.BOS)  # BOS is added
+    messages = [{"role": "user", "content": "the cat sat on the mat"}, {"role": "assistant", "content": "dog"}, {"role": "user", "content": "fox?"}]
+    expected = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    got = engine.encode(messages=messages)
+    assert got == list(expected)
+    assert got.count(tok.convert_tokens_to_ids(tiny.BOS)) == 1  # the template's BOS only
+    assert got[-1] == tok.convert_tokens_to_ids(tiny.ASSISTANT)
+    assert engine.tokenizer.decode(got, skip_special_tokens=False) == tok.decode(got, skip_special_tokens=False)
+    with pytest.raises(ValueError):
+        engine.encode(prompt="x", messages=messages)
+
+
+# -- speculative decoding is exact -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(bundles, plain_engines, hf_models):
+    refs = {}
+    for arch in ARCHS:
+        ids = _prompt_ids(hf_models, arch)
+        refs[arch] = (ids, plain_engines[arch].generate(ids, GenerateConfig(max_new_tokens=30)).token_ids)
+    return refs
+
+
+@pytest.mark.parametrize("gamma", [3, None], ids=["gamma3", "adaptive"])
+@pytest.mark.parametrize("drafter", DRAFTERS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_speculative_greedy_equals_plain(arch, drafter, gamma, bundles, greedy_reference):
+    ids, plain = greedy_reference[arch]
+    engine = _engine(bundles[arch], drafter, gamma, calibrate=gamma is None)
+    result = engine.generate(ids, GenerateConfig(max_new_tokens=30))
+    assert result.token_ids == plain
+    stats = result.stats
+    if gamma is not None and drafter in ("model", "layer-skip"):
+        # Model drafters always propose γ tokens: every round verifies a block.
+        assert stats["drafted_tokens"] == 3 * stats["target_passes"]
+        assert set(stats["gamma_histogram"]) == {"3"}
+    assert stats["accepted_tokens"] <= stats["drafted_tokens"]
+    assert stats["tokens_per_pass"] == pytest.approx(len(plain) / stats["target_passes"])
+    # Second generation on the same engine (caches hold the first one's rows): same tokens.
+    assert engine.generate(ids, GenerateConfig(max_new_tokens=30)).token_ids == plain
+
+
+def test_lookup_drafter_accepts_on_repetitive_text(bundles, hf_models):
+    """A repeated prompt makes the target repeat it (almost surely, even untrained): lookup
+    drafts get accepted, and the output is still plain greedy's."""
+    _, tok = hf_models["llama"]
+    ids = tok("red blue green red blue green red blue green red blue green").input_ids
+    plain = _engine(bundles["llama"]).generate(ids, GenerateConfig(max_new_tokens=24))
+    spec = _engine(bundles["llama"], "lookup", 4).generate(ids, GenerateConfig(max_new_tokens=24))
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats["drafted_tokens"] > 0
+    assert spec.stats["target_passes"] <= len(plain.token_ids)
+
+
+@pytest.mark.parametrize("drafter", ["none", "model", "layer-skip", "lookup"])
+def test_generation_stops_at_context(drafter, bundles, greedy_reference):
+    ids, plain = greedy_reference["llama"]
+    engine = _engine(bundles["llama"], drafter, 3 if drafter != "none" else None)
+    result = engine.generate(ids, GenerateConfig(max_new_tokens=500))
+    if result.stop_reason == "eos":
+        pytest.skip("the tiny model emitted EOS before filling the context")
+    assert result.stop_reason == "context"
+    total = len(ids) + len(result.token_ids)
+    assert tiny.MAX_CONTEXT <= total <= tiny.MAX_CONTEXT + 1
+    assert result.token_ids[: len(plain)] == plain
+
+
+def test_prefix_reuse_across_generations(bundles, greedy_reference, hf_models):
+    """A second prompt sharing a prefix with the first reuses rows; output as a fresh engine."""
+    ids, plain = greedy_reference["llama"]
+    _, tok = hf_models["llama"]
+    other = ids[:6] + tok(" river stone", add_special_tokens=False).input_ids
+    fresh = _engine(bundles["llama"]).generate(other, GenerateConfig(max_new_tokens=15)).token_ids
+    for drafter in ("none", "model", "layer-skip"):
+        engine = _engine(bundles["llama"], drafter, 2 if drafter != "none" else None)
+        assert engine.generate(ids, GenerateConfig(max_new_tokens=15)).token_ids == plain[:15]
+        assert engine.generate(other, GenerateConfig(max_new_tokens=15)).token_ids == fresh, drafter
+
+
+@pytest.mark.parametrize("drafter", ["none", "model", "layer-skip", "lookup"])
+def test_seeded_sampling_is_reproducible(drafter, bundles, greedy_reference):
+    ids, _ = greedy_reference["llama"]
+    engine = _engine(bundles["llama"], drafter, 3 if drafter != "none" else None)
+    runs = [
+        engine.generate(ids, GenerateConfig(max_new_tokens=20, sampling=SamplingConfig(temperature=0.8, seed=seed))).token_ids
+        for seed in (11, 11, 12)
+    ]
+    assert runs[0] == runs[1]
+    assert len(runs[0]) == 20
+    assert runs[0] != runs[2]  # the seed matters (20 tokens at temperature 0.8)
+
+
+# -- quantized bundles -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("quant,min_agreement", [("int8", 0.8), ("int4", 0.6)])
+def test_quantized_bundle_runs_and_agrees(quant, min_agreement, quant_bundles, hf_models):
+    """Loads on ONNX Runtime, and its logits stay close to the fp32 bundle's: high
+    correlation and the same top-1 token on most positions."""
+    ids = _prompt_ids(hf_models, "llama", " ".join([tiny.PROMPT] * 3))[:48]
+    ref = _engine(quant_bundles["fp32"]).target.forward(ids)
+    engine = _engine(quant_bundles[quant])
+    got = engine.target.forward(ids)
+    assert got.shape == ref.shape
+    assert np.isfinite(got).all()
+    assert not np.allclose(got, ref, atol=1e-4)  # really quantized
+    agreement = float((got.argmax(-1) == ref.argmax(-1)).mean())
+    assert agreement >= min_agreement, f"{quant}: top-1 agreement {agreement:.2f}"
+    correlation = float(np.mean([np.corrcoef(a, b)[0, 1] for a, b in zip(got, ref)]))
+    assert correlation >= 0.97, f"{quant}: logit correlation {correlation:.3f}"
+    result = engine.generate(ids[:10], GenerateConfig(max_new_tokens=8))
+    assert len(result.token_ids) == 8 or result.stop_reason == "eos"
+    manifest = json.loads((quant_bundles[quant] / "manifest.json").read_text())
+    assert manifest["models"]["target"]["quant"] == quant
+    fp32_bytes = sum(p.stat().st_size for p in quant_bundles["fp32"].glob("*.data"))
+    assert sum(p.stat().st_size for p in quant_bundles[quant].glob("*.data")) < 0.6 * fp32_bytes
+
+
+# -- refusals and the padded-head path ---------------------------------------------------------
+
+
+def test_draft_with_other_vocabulary_is_refused(tiny_models, tmp_path):
+    from export.bundle import ExportError
+
+    out = tmp_path / "bundle"
+    with pytest.raises(ExportError) as info:
+        tiny.export(tiny_models.llama, out, drafts=(str(tiny_models.draft_other_vocab),))
+    message = str(info.value)
+    assert "does not share the target's tokenizer" in message
+    assert str(tiny_models.draft_other_vocab) in message
+    assert "only in the target" in message and "only in the draft" in message
+    assert not out.exists() and not (tmp_path / "bundle.partial").exists()
+
+
+def test_draft_with_padded_head_is_accepted(tiny_models, hf_models, tmp_path):
+    out = tmp_path / "bundle"
+    manifest = tiny.export(tiny_models.llama, out, drafts=(str(tiny_models.draft_padded),))
+    n_real = manifest.tokenizer.n_real_tokens
+    assert manifest.models["draft"].arch.vocab_size == manifest.models["target"].arch.vocab_size == n_real
+    model, tok = hf_models["llama"]
+    ids = tok(tiny.PROMPT).input_ids
+    plain = _engine(out)
+    plain_tokens = plain.generate(ids, GenerateConfig(max_new_tokens=12)).token_ids
+    assert plain_tokens == _hf_greedy(model, ids, 12)
+    spec = _engine(out, "model", 3).generate(ids, GenerateConfig(max_new_tokens=12))
+    assert spec.token_ids == plain_tokens
+    assert spec.stats["drafted_tokens"] > 0
+    draft_engine = _engine(out, "model", 3)
+    draft_logits = draft_engine.drafter.runner.forward(ids)
+    assert draft_logits.shape == (len(ids), n_real)
+
+
+@pytest.mark.parametrize("kind", ["mistral", "gpt2"])
+def test_unsupported_architecture_refused_before_weights(kind, tiny_models, tmp_path):
+    """The folders hold no weights at all: refusing by model_type must come first."""
+    from export.archs import UnsupportedArchitecture
+
+    folder = getattr(tiny_models, kind)
+    assert not any(p.suffix in (".safetensors", ".bin") for p in folder.iterdir())
+    out = tmp_path / "bundle"
+    with pytest.raises(UnsupportedArchitecture, match=f"'{kind}' is not supported.*llama.*qwen2"):
+        tiny.export(folder, out)
+    assert not out.exists() and not (tmp_path / "bundle.partial").exists()
+
+
+def test_unsupported_config_variants_refused():
+    from transformers import Qwen2Config
+
+    from export.archs import UnsupportedArchitecture, arch_for
+
+    arch_for(tiny.llama_config(300))  # the supported baseline
+    yarn = tiny.llama_config(300)
+    yarn.rope_parameters = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 32}
+    with pytest.raises(UnsupportedArchitecture, match="yarn"):
+        arch_for(yarn)
+    bias = tiny.llama_config(300)
+    bias.mlp_bias = True
+    with pytest.raises(UnsupportedArchitecture, match="mlp_bias"):
+        arch_for(bias)
+    with pytest.raises(UnsupportedArchitecture, match="sliding"):
+        arch_for(Qwen2Config(vocab_size=300, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True))
+
+
+def test_export_refuses_bad_config(tiny_models, tmp_path):
+    from export.bundle import ExportError
+
+    with pytest.raises(ExportError, match="layer count between 1 and 3"):
+        tiny.export(tiny_models.llama, tmp_path / "a", drafts=("layer-skip:4",))
+    with pytest.raises(ExportError, match="too small"):
+        tiny.export(tiny_models.llama, tmp_path / "b", max_context=8)
+    with pytest.raises(ExportError, match="unknown quantization"):
+        tiny.export(tiny_models.llama, tmp_path / "c", quant="int3")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "keep.txt").write_text("x")
+    with pytest.raises(ExportError, match="--force"):
+        tiny.export(tiny_models.llama, tmp_path / "d")
+    assert (tmp_path / "d" / "keep.txt").read_text() == "x"
+
+
+# -- layer skip shares the target's stages -----------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_layer_skip_shares_target_stages(arch, bundles):
+    from edge_spec.manifest import load_manifest
+
+    bundle = bundles[arch]
+    manifest = load_manifest(bundle)
+    target, skip = manifest.models["target"], manifest.models["layer_skip"]
+    assert skip.shares_kv_with == "target"
+    assert set(skip.stages) <= set(target.stages)
+    assert skip.stages[0] == target.stages[0] and skip.stages[-1] == target.stages[-1]
+    assert skip.arch.n_layers < target.arch.n_layers
+    # On disk: the manifest, the tokenizer, and one graph + one data file per stage; the
+    # layer-skip role adds none.
+    stage_files = {f for s in manifest.stages.values() for f in (s.file, *s.data_files)}
+    assert {p.name for p in bundle.iterdir()} == stage_files | {"manifest.json", "tokenizer.json"}
+    assert set(manifest.stages) == set(target.stages) | set(manifest.models["draft"].stages)
+    target_data = {f for key in target.stages for f in manifest.stages[key].data_files}
+    skip_data = {f for key in skip.stages for f in manifest.stages[key].data_files}
+    assert skip_data <= target_data
+    # At run time the drafter reuses the target's sessions and KV cache.
+    engine = _engine(bundle, "layer-skip", 2)
+    runner = engine.drafter.runner
+    assert runner.cache is engine.target.cache
+    assert runner.sessions[0] is engine.target.sessions[0]
+    assert runner.sessions[-1] is engine.target.sessions[-1]
+    assert len(engine._sessions) == len(target.stages)
+
+
+def test_export_cli_writes_a_loadable_bundle(tiny_models, tmp_path, bundles):
+    """`python -m export FOLDER` in process (argument parsing, drafts 'none')."""
+    from edge_spec.manifest import load_manifest
+    from export.__main__ import main
+
+    out = tmp_path / "cli-bundle"
+    assert main([str(tiny_models.llama), "--out", str(out), "--quant", "fp32", "--max-context", "32", "--draft", "none"]) == 0
+    manifest = load_manifest(out)
+    assert list(manifest.models) == ["target"] and manifest.default_draft is None
+    assert manifest.target.arch.max_context == 32
+    # Same weights, same graphs: the logits equal the session bundle's.
+    ids = list(range(5, 15))
+    a = _engine(out).target.forward(ids)
+    b = _engine(bundles["llama"]).target.forward(ids)
+    np.testing.assert_allclose(a, b, atol=1e-5)
+    shutil.rmtree(out)
