@@ -2,8 +2,9 @@
 
 int4: MatMulNBits (4 bits, block 32, symmetric, accuracy level 4 = int8 activations on CPU)
       and GatherBlockQuantized for the embedding table.
-int8: dynamic int8 MatMul (cheapest multi-token verify blocks on CPU) and an 8-bit block-
-      quantized embedding table.
+int8: dynamic int8 MatMul (cheapest multi-token verify blocks on CPU) and a 4-bit block-
+      quantized embedding table (ONNX Runtime's GatherBlockQuantized quantizer supports only
+      4 bits; a float32 table would be the largest tensor of a small model).
 fp16: float16 weights, float32 graph inputs and outputs.
 fp32: unchanged.
 """
@@ -66,5 +67,5 @@ def quantize(model: onnx.ModelProto, quant: str) -> onnx.ModelProto:
         return _block_quantize(model, 4, ("MatMul", "Gather"))
     if quant == "int8":
         model = _dynamic_int8(model)
-        return _block_quantize(model, 8, ("Gather",))
+        return _block_quantize(model, 4, ("Gather",))
     raise ValueError(f"unknown quantization {quant!r} (int4, int8, fp16, fp32)")

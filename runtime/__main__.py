@@ -124,10 +124,40 @@ def cmd_bench(args) -> int:
         return 2
     if "plain" not in modes:
         modes.insert(0, "plain")
-    results = run_bench(args.bundle, load_prompts(args.prompts), modes, args.max_new_tokens, args.repeat, args.threads)
+    gamma = None if args.gamma == "auto" else int(args.gamma)
+    results = run_bench(args.bundle, load_prompts(args.prompts), modes, args.max_new_tokens, args.repeat, args.threads, gamma)
     write_report(results, Path(args.out))
     print((Path(args.out) / "report.md").read_text())
     return 0
+
+
+def cmd_serve(args) -> int:
+    import os
+
+    from runtime.api import Model
+    from runtime.server import check_bind, serve
+
+    api_key = args.api_key or os.environ.get("EDGE_SPEC_API_KEY") or None
+    check_bind(args.host, api_key, args.insecure)  # refuse before the (slow) load
+    model = Model(_engine(args), max_queue=args.max_queue, queue_timeout=args.queue_timeout or None, name=args.model_name)
+    try:
+        serve(model, args.host, args.port, api_key, args.insecure, log_level=args.log_level,
+              announce=lambda line: print(line, flush=True))
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled gracefully
+        return 0
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from runtime.api import Model
+    from runtime.chat import run_chat
+
+    model = Model(_engine(args), max_queue=0)
+    return run_chat(model, system=args.system, max_tokens=args.max_new_tokens, temperature=args.temperature,
+                    top_k=args.top_k, top_p=args.top_p, seed=args.seed)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,8 +189,31 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--repeat", type=int, default=1)
     bench.add_argument("--threads", type=int, default=0)
+    bench.add_argument("--gamma", default="auto", help="auto (adaptive) or a fixed draft length")
     bench.add_argument("--out", required=True)
     bench.set_defaults(func=cmd_bench)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    _engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback only)")
+    serve.add_argument("--port", type=int, default=8000, help="port (0: any free port; the chosen one is printed)")
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $EDGE_SPEC_API_KEY)")
+    serve.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without an API key")
+    serve.add_argument("--max-queue", type=int, default=16, help="requests that may wait for the engine; more get 429")
+    serve.add_argument("--queue-timeout", type=float, default=300.0, help="seconds a request may wait before a 503 (0: no limit)")
+    serve.add_argument("--model-name", help="model id clients use (default: the bundle folder's name)")
+    serve.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+    serve.set_defaults(func=cmd_serve)
+
+    chat = sub.add_parser("chat", help="chat in the terminal, with the bundle's chat template and history")
+    _engine_args(chat)
+    chat.add_argument("--system", help="system prompt")
+    chat.add_argument("--max-new-tokens", type=int, default=512)
+    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--top-k", type=int, default=0)
+    chat.add_argument("--top-p", type=float, default=1.0)
+    chat.add_argument("--seed", type=int)
+    chat.set_defaults(func=cmd_chat)
 
     args = parser.parse_args(argv)
     from edge_spec.manifest import BundleError

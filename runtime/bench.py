@@ -61,7 +61,20 @@ def _median(values):
     return statistics.median(values) if values else None
 
 
-def run_bench(bundle: str, prompts: list[BenchPrompt], modes: list[str], max_new_tokens: int, repeat: int, threads: int = 0) -> dict:
+def _predicted(gamma_histogram: dict, alpha: float | None, cost: float | None) -> tuple[float | None, float | None]:
+    """Tokens per target pass that E(α, γ) predicts for the rounds as they were run, and the
+    speedup bound Σ E(α, γ_r) / Σ (1 + γ_r c) (the textbook E / (1 + γc) for one fixed γ)."""
+    if alpha is None or cost is None:
+        return None, None
+    alpha = min(alpha, 1 - 1e-9)
+    rounds = {int(g): n for g, n in gamma_histogram.items()}
+    tokens = sum(n * expected_tokens_per_pass(alpha, g) for g, n in rounds.items())
+    passes = sum(rounds.values())
+    cost_units = sum(n * (1 + g * cost) for g, n in rounds.items())
+    return tokens / passes, tokens / cost_units
+
+
+def run_bench(bundle: str, prompts: list[BenchPrompt], modes: list[str], max_new_tokens: int, repeat: int, threads: int = 0, gamma: int | None = None) -> dict:
     from runtime.engine import EngineConfig
 
     engine = Engine(bundle, EngineConfig(drafter="none", threads=threads))
@@ -75,7 +88,7 @@ def run_bench(bundle: str, prompts: list[BenchPrompt], modes: list[str], max_new
             plain = None
             results = {}
             for mode in ["plain"] + [m for m in order if m != "plain"]:
-                engine.use_drafter("none" if mode == "plain" else mode)
+                engine.use_drafter("none" if mode == "plain" else mode, gamma)
                 engine.target.cache.reset()  # no prefix reuse between modes: equal prefill work
                 result = engine.generate(ids, config)
                 results[mode] = result
@@ -84,13 +97,9 @@ def run_bench(bundle: str, prompts: list[BenchPrompt], modes: list[str], max_new
             for mode in modes:
                 result = results[mode]
                 stats = result.stats
-                gammas = {int(k): v for k, v in stats["gamma_histogram"].items()}
-                typical_gamma = max(gammas, key=gammas.get) if gammas else 0
-                alpha = stats["acceptance_rate"]
+                alpha = stats["alpha"]
                 cost = next(iter(v for v in stats["cost_ratio"].values() if v is not None), None) if mode in ("model", "layer-skip") else 0.0
-                bound = None
-                if alpha is not None and typical_gamma > 0 and cost is not None:
-                    bound = expected_tokens_per_pass(min(alpha, 0.999999), typical_gamma) / (1 + typical_gamma * cost)
+                predicted, bound = _predicted(stats["gamma_histogram"], alpha, cost)
                 speedup = result.timings["decode_tokens_per_s"] / plain.timings["decode_tokens_per_s"]
                 runs.append({
                     "mode": mode,
@@ -100,8 +109,10 @@ def run_bench(bundle: str, prompts: list[BenchPrompt], modes: list[str], max_new
                     "new_tokens": len(result.token_ids),
                     "tokens_per_s": result.timings["decode_tokens_per_s"],
                     "prefill_ms": result.timings["prefill_ms"],
-                    "acceptance_rate": alpha,
+                    "acceptance_rate": stats["acceptance_rate"],
+                    "alpha": alpha,
                     "tokens_per_pass": stats["tokens_per_pass"],
+                    "tokens_per_pass_predicted": predicted,
                     "gamma_histogram": stats["gamma_histogram"],
                     "cost_ratio": cost,
                     "speedup": speedup,
@@ -122,7 +133,9 @@ def run_bench(bundle: str, prompts: list[BenchPrompt], modes: list[str], max_new
                 "tokens_per_s_max": max(speeds),
                 "speedup": _median([run["speedup"] for run in rows]),
                 "acceptance_rate": _median([run["acceptance_rate"] for run in rows]),
+                "alpha": _median([run["alpha"] for run in rows]),
                 "tokens_per_pass": _median([run["tokens_per_pass"] for run in rows]),
+                "tokens_per_pass_predicted": _median([run["tokens_per_pass_predicted"] for run in rows]),
                 "cost_ratio": _median([run["cost_ratio"] for run in rows]),
                 "bound_fraction": _median([run["bound_fraction"] for run in rows]),
                 "prefill_ms": _median([run["prefill_ms"] for run in rows]),
@@ -133,6 +146,7 @@ def run_bench(bundle: str, prompts: list[BenchPrompt], modes: list[str], max_new
         "bundle": str(bundle),
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "python": platform.python_version()},
         "max_new_tokens": max_new_tokens,
+        "gamma": "auto" if gamma is None else gamma,
         "repeat": repeat,
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "runs": runs,
@@ -146,10 +160,10 @@ def write_report(results: dict, out: Path) -> None:
     lines = [
         f"# Bench: {results['bundle']}",
         "",
-        f"{results['max_new_tokens']} new tokens, greedy, repeat {results['repeat']}; medians over prompts.",
+        f"{results['max_new_tokens']} new tokens, greedy, γ {results['gamma']}, repeat {results['repeat']}; medians over prompts.",
         "",
-        "| mode | category | tok/s (min–max) | speedup vs plain | α | tokens/pass | c | speedup / bound | identical to plain |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| mode | category | tok/s (min–max) | speedup vs plain | accepted/drafted | α | tokens/pass (E(α,γ)) | c | speedup / bound | identical to plain |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def fmt(value, spec=".2f"):
@@ -159,7 +173,7 @@ def write_report(results: dict, out: Path) -> None:
         for category, s in by_category.items():
             lines.append(
                 f"| {mode} | {category} | {fmt(s['tokens_per_s'], '.1f')} ({fmt(s['tokens_per_s_min'], '.1f')}–{fmt(s['tokens_per_s_max'], '.1f')}) "
-                f"| {fmt(s['speedup'])} | {fmt(s['acceptance_rate'])} | {fmt(s['tokens_per_pass'])} | {fmt(s['cost_ratio'])} "
+                f"| {fmt(s['speedup'])} | {fmt(s['acceptance_rate'])} | {fmt(s['alpha'])} | {fmt(s['tokens_per_pass'])} ({fmt(s['tokens_per_pass_predicted'])}) | {fmt(s['cost_ratio'])} "
                 f"| {fmt(s['bound_fraction'])} | {s['identical_to_plain']}/{s['runs']} |"
             )
     (out / "report.md").write_text("\n".join(lines) + "\n")

@@ -223,6 +223,10 @@ class Engine:
                     break
             if len(generated) + len(new) >= config.max_new_tokens and stop_reason is None:
                 new, stop_reason = new[: config.max_new_tokens - len(generated)], "length"
+            room = max_context - len(prompt_ids) - len(generated)
+            if len(new) >= room and stop_reason is None:
+                # A speculative round may commit past the point where plain decoding stops.
+                new, stop_reason = new[:room], "context"
             generated += new
             piece = decoder.push(new)
             text += piece
@@ -233,8 +237,6 @@ class Engine:
                 text, stop_reason = text[:cut], "stop"
             if piece:
                 yield piece, None
-            if stop_reason is None and len(prompt_ids) + len(generated) >= max_context:
-                stop_reason = "context"
             if stop_reason is None and cancel is not None and cancel.is_set():
                 stop_reason = "cancelled"
             if stop_reason is not None:
@@ -258,6 +260,7 @@ class Engine:
         decode_s = max(ended - began - prefill_s, 1e-9)
         drafted = sum(s.n_drafted for s in steps)
         accepted = sum(s.n_accepted for s in steps)
+        rejections = sum(1 for s in steps if s.n_accepted < s.n_drafted)
         draft_s = sum(s.draft_s for s in steps)
         target_s = sum(s.target_s for s in steps)
         stats = {
@@ -265,8 +268,10 @@ class Engine:
             "drafted_tokens": drafted,
             "accepted_tokens": accepted,
             "acceptance_rate": accepted / drafted if drafted else None,
+            # Per-token acceptance α: the MLE for runs truncated at γ, the α of E(α, γ).
+            "alpha": accepted / (accepted + rejections) if drafted else None,
             "tokens_per_pass": len(generated) / len(steps) if steps else 0.0,
-            "gamma_histogram": {str(k): v for k, v in sorted(Counter(s.gamma for s in steps).items())},
+            "gamma_histogram": {str(k): v for k, v in sorted(Counter(s.n_drafted for s in steps).items())},  # γ as drafted
             "drafter_rounds": dict(Counter(s.drafter or "none" for s in steps)),
             "cost_ratio": {name: self.costs.cost_ratio(name) for name in self.costs.draft_step},
             "time_s": {"draft": draft_s, "target": target_s, "other": max(decode_s - draft_s - target_s, 0.0)},

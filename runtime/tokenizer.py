@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 
 import jinja2
@@ -31,6 +32,11 @@ class BundleTokenizer:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
             env.globals["raise_exception"] = _raise
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            # Templates serialize tool calls with tojson: keep key order and raw characters,
+            # as Hugging Face does, not jinja2's HTML-safe, key-sorted default.
+            env.filters["tojson"] = lambda value, indent=None, separators=None, sort_keys=False: json.dumps(
+                value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
+            )
             self._template = env.from_string(info.chat_template)
 
     @property

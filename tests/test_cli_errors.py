@@ -20,11 +20,15 @@ def _run(*args, timeout=120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", *map(str, args)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def _error_line(proc: subprocess.CompletedProcess) -> str:
+def _error_line(proc: subprocess.CompletedProcess, only_line: bool = False) -> str:
+    """The single `error:` line; with only_line, stderr holds nothing else (the runtime logs
+    no progress, so its errors are the whole of stderr)."""
     assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
     assert "Traceback" not in proc.stderr, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, proc.stderr
+    if only_line:
+        assert proc.stderr.strip() == errors[0], proc.stderr
     return errors[0]
 
 
@@ -79,19 +83,19 @@ def altered_bundle(llama_bundle, tmp_path) -> Path:
 
 def test_generate_altered_bundle(altered_bundle):
     proc = _run("runtime", "generate", altered_bundle, "--prompt", "hi")
-    line = _error_line(proc)
+    line = _error_line(proc, only_line=True)
     assert "bundle file altered" in line and "target.trunk.onnx.data" in line
     assert proc.stdout == ""
 
 
 def test_generate_not_a_bundle(tmp_path):
-    line = _error_line(_run("runtime", "generate", tmp_path, "--prompt", "hi"))
+    line = _error_line(_run("runtime", "generate", tmp_path, "--prompt", "hi"), only_line=True)
     assert "is not a bundle" in line
 
 
 def test_generate_prompt_too_long(llama_bundle):
     proc = _run("runtime", "generate", llama_bundle, "--prompt", "the quick brown fox " * 40, "--draft", "none")
-    line = _error_line(proc)
+    line = _error_line(proc, only_line=True)
     assert "but the bundle's max context is 64" in line and "--max-context" in line
 
 
@@ -101,7 +105,7 @@ def test_generate_missing_provider(llama_bundle):
     if "CUDAExecutionProvider" in ort.get_available_providers():
         pytest.skip("this machine has CUDA")
     proc = _run("runtime", "generate", llama_bundle, "--prompt", "hi", "--provider", "cuda")
-    line = _error_line(proc)
+    line = _error_line(proc, only_line=True)
     assert "provider 'cuda'" in line and "onnxruntime-gpu" in line and "--allow-fallback" in line
     # With the fallback allowed it runs on the CPU.
     proc = _run("runtime", "generate", llama_bundle, "--prompt", "hi", "--provider", "cuda", "--allow-fallback", "--max-new-tokens", "3", "--draft", "none", "--json")
@@ -110,7 +114,7 @@ def test_generate_missing_provider(llama_bundle):
 
 
 def test_generate_unknown_provider(llama_bundle):
-    assert "unknown provider 'tpu'" in _error_line(_run("runtime", "generate", llama_bundle, "--prompt", "hi", "--provider", "tpu"))
+    assert "unknown provider 'tpu'" in _error_line(_run("runtime", "generate", llama_bundle, "--prompt", "hi", "--provider", "tpu"), only_line=True)
 
 
 def test_generate_json(llama_bundle):

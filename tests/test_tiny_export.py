@@ -128,6 +128,23 @@ def test_runtime_tokenizer_matches_hf(arch, plain_engines, hf_models):
         engine.encode(prompt="x", messages=messages)
 
 
+def test_chat_template_tojson_matches_hf(plain_engines, hf_models):
+    """runtime/tokenizer.py promises Hugging Face's rendering rules; HF's `tojson` keeps key
+    order and does not HTML-escape (json.dumps(ensure_ascii=False)). Templates use it for
+    tool calls (Llama 3.x, Qwen2.5)."""
+    from edge_spec.manifest import TokenizerInfo
+    from runtime.tokenizer import BundleTokenizer
+
+    _, tok = hf_models["llama"]
+    template = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] | tojson }}\n{% endfor %}"
+    engine = plain_engines["llama"]
+    info = TokenizerInfo(**{**engine.tokenizer.info.__dict__, "chat_template": template})
+    runtime_tok = BundleTokenizer(engine.bundle.file(info.file), info)
+    messages = [{"role": "user", "content": {"name": "f", "args": "a<b & 'c'"}}]
+    expected = tok.apply_chat_template(messages, chat_template=template, tokenize=False)
+    assert runtime_tok.render_chat(messages, add_generation_prompt=False) == expected
+
+
 # -- speculative decoding is exact -------------------------------------------------------------
 
 
@@ -233,6 +250,24 @@ def test_quantized_bundle_runs_and_agrees(quant, min_agreement, quant_bundles, h
     assert manifest["models"]["target"]["quant"] == quant
     fp32_bytes = sum(p.stat().st_size for p in quant_bundles["fp32"].glob("*.data"))
     assert sum(p.stat().st_size for p in quant_bundles[quant].glob("*.data")) < 0.6 * fp32_bytes
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_quantized_bundle_embedding_table_is_quantized(quant, quant_bundles):
+    """export/quantize.py: int4 -> GatherBlockQuantized embedding; int8 -> "an 8-bit
+    block-quantized embedding table". No float32 [vocab, hidden] table may remain."""
+    import onnx
+
+    manifest = json.loads((quant_bundles[quant] / "manifest.json").read_text())
+    arch = manifest["models"]["target"]["arch"]
+    graph = onnx.load(str(quant_bundles[quant] / "target.onnx"), load_external_data=False).graph
+    float_tables = [
+        init.name
+        for init in graph.initializer
+        if init.data_type == onnx.TensorProto.FLOAT and sorted(init.dims) == sorted([arch["vocab_size"], arch["hidden_size"]])
+    ]
+    assert float_tables == [], f"{quant}: float32 embedding/head tables left unquantized: {float_tables}"
+    assert any(node.op_type == "GatherBlockQuantized" for node in graph.node)
 
 
 # -- refusals and the padded-head path ---------------------------------------------------------
