@@ -6,19 +6,18 @@ import dataclasses
 import gc
 import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
-
-import onnx
 
 from edge_spec import manifest as mf
 from edge_spec import names
 from edge_spec.catalog import CATALOG
 from export.archs import arch_for
 from export.onnx_graphs import export_stage
-from export.quantize import quantize
+from export.quantize import quantize_file, save
 from export.sources import Checkpoint, load_checkpoint
 
 LAYER_SKIP_PREFIX = "layer-skip:"
@@ -76,12 +75,15 @@ def _write_stage(
     span = f"layers {layers.start}..{layers.stop - 1}" if layers else "no layers"
     progress(f"{key}: tracing {span}{' + embedding' if embed else ''}{' + head' if head else ''}")
     graph = export_stage(stage, layers, config.max_context, model.config.hidden_size)
-    progress(f"{key}: quantizing to {config.quant}")
-    graph = quantize(graph, config.quant)
-    file, data = f"{key}.onnx", f"{key}.onnx.data"
-    onnx.save_model(graph, tmp / file, save_as_external_data=True, all_tensors_to_one_file=True, location=data, size_threshold=0)
-    del graph
-    gc.collect()
+    file = f"{key}.onnx"
+    with tempfile.TemporaryDirectory(dir=tmp) as scratch:
+        traced = Path(scratch) / file
+        save(graph, traced)
+        del graph, stage
+        gc.collect()
+        progress(f"{key}: quantizing to {config.quant}")
+        quantize_file(traced, tmp / file, config.quant)
+    data = file + ".data"
     data_files = (data,) if (tmp / data).exists() else ()
     return mf.StageInfo(
         file=file,

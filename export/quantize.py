@@ -2,16 +2,22 @@
 
 int4: MatMulNBits (4 bits, block 32, symmetric, accuracy level 4 = int8 activations on CPU)
       and GatherBlockQuantized for the embedding table.
-int8: dynamic int8 MatMul (cheapest multi-token verify blocks on CPU) and a 4-bit block-
-      quantized embedding table (ONNX Runtime's GatherBlockQuantized quantizer supports only
-      4 bits; a float32 table would be the largest tensor of a small model).
+int8: MatMulNBits with 8 bits (block 32, accuracy level 4) and a 4-bit block-quantized
+      embedding table (ONNX Runtime's Gather quantizer supports only 4 bits; a float32 table
+      would be the largest tensor of a small model). Not quantize_dynamic: its per-tensor
+      activation scale is ruined by the outlier channels these models have (SmolLM2 logits
+      went to noise), while MatMulNBits quantizes activations per block of 32.
 fp16: float16 weights, float32 graph inputs and outputs.
 fp32: unchanged.
+
+Graphs go from file to file: a 1.5B-parameter stage is gigabytes in float32, and holding the
+float32 and the quantized copy in memory at once is what a 24 GB machine cannot afford.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import onnx
 
@@ -19,7 +25,12 @@ BLOCK_SIZE = 32
 ACCURACY_LEVEL = 4
 
 
-def _block_quantize(model: onnx.ModelProto, bits: int, op_types: tuple[str, ...]) -> onnx.ModelProto:
+def save(model: onnx.ModelProto, path: Path) -> None:
+    """One graph file plus one external-data file named after it."""
+    onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True, location=path.name + ".data", size_threshold=0)
+
+
+def _block_quantize(model: onnx.ModelProto | str, bits: int, op_types: tuple[str, ...]) -> onnx.ModelProto:
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     quantizer = MatMulNBitsQuantizer(
@@ -35,37 +46,22 @@ def _block_quantize(model: onnx.ModelProto, bits: int, op_types: tuple[str, ...]
     return quantizer.model.model
 
 
-def _dynamic_int8(model: onnx.ModelProto) -> onnx.ModelProto:
-    import tempfile
-    from pathlib import Path
-
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
-    with tempfile.TemporaryDirectory() as tmp:
-        src, dst = Path(tmp) / "in.onnx", Path(tmp) / "out.onnx"
-        onnx.save_model(model, src, save_as_external_data=True, location="in.onnx.data")
-        quantize_dynamic(
-            src,
-            dst,
-            weight_type=QuantType.QInt8,
-            op_types_to_quantize=["MatMul"],
-            per_channel=True,
-            use_external_data_format=True,
-        )
-        return onnx.load(str(dst), load_external_data=True)
-
-
-def quantize(model: onnx.ModelProto, quant: str) -> onnx.ModelProto:
-    logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
+def quantize_file(src: Path, dst: Path, quant: str) -> None:
+    """Quantize the float32 graph at src (+ src.data, written by save) into dst (+ dst.data),
+    in the same folder: fp32 is a move."""
+    logging.getLogger("onnxruntime.quantization").setLevel(logging.ERROR)
     if quant == "fp32":
-        return model
-    if quant == "fp16":
+        # save() named the data file after the graph file, so a move keeps the reference valid.
+        src.rename(dst)
+        Path(str(src) + ".data").rename(str(dst) + ".data")
+    elif quant == "fp16":
         from onnxruntime.transformers.float16 import convert_float_to_float16
 
-        return convert_float_to_float16(model, keep_io_types=True, disable_shape_infer=True)
-    if quant == "int4":
-        return _block_quantize(model, 4, ("MatMul", "Gather"))
-    if quant == "int8":
-        model = _dynamic_int8(model)
-        return _block_quantize(model, 4, ("Gather",))
-    raise ValueError(f"unknown quantization {quant!r} (int4, int8, fp16, fp32)")
+        model = onnx.load(str(src), load_external_data=True)
+        save(convert_float_to_float16(model, keep_io_types=True, disable_shape_infer=True), dst)
+    elif quant == "int4":
+        save(_block_quantize(str(src), 4, ("MatMul", "Gather")), dst)
+    elif quant == "int8":
+        save(_block_quantize(_block_quantize(str(src), 8, ("MatMul",)), 4, ("Gather",)), dst)
+    else:
+        raise ValueError(f"unknown quantization {quant!r} (int4, int8, fp16, fp32)")

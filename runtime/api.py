@@ -73,8 +73,8 @@ class Options:
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
+        if self.stop is None or isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,) if self.stop else ())
         stop = tuple(self.stop)
         if not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")

@@ -521,14 +521,23 @@ class Server:
             status = 499
             self._disconnected(job)
             return Response(status_code=499)
+        except Exception as exc:  # the engine failed: say so, cancel, keep serving
+            status = 500
+            job.cancel()
+            return await self._internal_error(request, exc)
         finally:
             if not parsed.stream or status != 200:
                 self.metrics.request(endpoint, status, time.perf_counter() - began)
 
     def _disconnected(self, job: Job) -> None:
-        if not job.done:
-            job.cancel()
-            self.metrics.disconnect()
+        """The client went away: cancel its generation (once), unless it had already finished."""
+        if getattr(job, "_client_gone", False):
+            return
+        job._client_gone = True
+        if job.done and job.final.stop_reason != "cancelled":
+            return
+        job.cancel()
+        self.metrics.disconnect()
 
     def _usage(self, result) -> dict:
         prompt, completion = len(result.prompt_ids), len(result.token_ids)
@@ -684,7 +693,9 @@ def make_uvicorn(server: Server, log_level: str = "warning"):
 
     config = uvicorn.Config(
         server.app, http="h11", lifespan="off", log_level=log_level, access_log=log_level in ("info", "debug", "trace"),
-        timeout_keep_alive=5, timeout_graceful_shutdown=5, limit_concurrency=max(64, 4 * (server.model.max_queue + 1)),
+        # limit_concurrency is a last guard against connection floods (idle keep-alive connections
+        # count too); the request queue is what bounds the work.
+        timeout_keep_alive=5, timeout_graceful_shutdown=5, limit_concurrency=max(1024, 4 * (server.model.max_queue + 1)),
     )
     return uvicorn.Server(config)
 

@@ -1,0 +1,3 @@
+package android.os;
+/** Type-checking stub. */
+public final class Bundle {}

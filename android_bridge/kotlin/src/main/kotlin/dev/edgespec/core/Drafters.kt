@@ -1,0 +1,113 @@
+package dev.edgespec.core
+
+/** Up to γ proposed tokens; draftProbs = q per token (null: deterministic, verified as one-hot). */
+class Proposal(val tokens: LongArray, val draftProbs: Array<DoubleArray>?, val trunkHidden: Hidden? = null)
+
+/** The drafter interface the loop speaks to (runtime/drafters/base.py). */
+abstract class Drafter {
+    abstract val name: String
+    open val costsPasses: Boolean = true
+    abstract fun propose(tokens: LongArray, gamma: Int, sampling: SamplingConfig, rng: UniformSource): Proposal?
+    open fun select(tokens: LongArray): Drafter = this
+    open fun parts(): List<Drafter> = listOf(this)
+    open fun accepted(tokens: LongArray, nAccepted: Int) {}
+    open fun reset(tokens: LongArray = LongArray(0)) {}
+
+    companion object {
+        /** Draft one token: argmax when greedy (no q needed), else a sample from q, returned with q. */
+        fun pickToken(logits: FloatArray, sampling: SamplingConfig, rng: UniformSource): Pair<Int, DoubleArray?> {
+            if (sampling.greedy) return Sampling.argmax(logits) to null
+            val q = Sampling.processLogits(logits, sampling)
+            return Sampling.sample(q, rng) to q
+        }
+    }
+}
+
+/** Copy what followed the latest earlier occurrence of the longest suffix n-gram. */
+class PromptLookupDrafter(private val maxNgram: Int = 4, private val minNgram: Int = 2) : Drafter() {
+    override val name = "lookup"
+    override val costsPasses = false
+
+    fun find(tokens: LongArray, gamma: Int): LongArray {
+        val length = tokens.size
+        for (n in minOf(maxNgram, length - 1) downTo minNgram) {
+            // windows i in [0, length-n): tokens[i, i+n) == suffix, with i+n <= length-1
+            var hit = -1
+            for (i in length - 1 - n downTo 0) {
+                var same = true
+                for (j in 0 until n) if (tokens[i + j] != tokens[length - n + j]) { same = false; break }
+                if (same) { hit = i; break }
+            }
+            if (hit >= 0) {
+                val begin = hit + n
+                return tokens.copyOfRange(begin, minOf(begin + gamma, length))
+            }
+        }
+        return LongArray(0)
+    }
+
+    override fun propose(tokens: LongArray, gamma: Int, sampling: SamplingConfig, rng: UniformSource): Proposal? {
+        val continuation = find(tokens, gamma)
+        return if (continuation.isNotEmpty()) Proposal(continuation, null) else null
+    }
+}
+
+/** A smaller same-tokenizer model drafts γ tokens from its own KV cache. */
+class DraftModelDrafter(val runner: TargetModel) : Drafter() {
+    override val name = "model"
+
+    override fun propose(tokens: LongArray, gamma: Int, sampling: SamplingConfig, rng: UniformSource): Proposal? {
+        val cache = runner.cache
+        val g = minOf(gamma, cache.maxContext - tokens.size + 1)
+        if (g <= 0) return null
+        val missing = tokens.copyOfRange(cache.kvLen, tokens.size)
+        if (missing.size > 1) runner.prefill(missing.copyOfRange(0, missing.size - 1))
+        var logits = runner.forward(missing.copyOfRange(missing.size - 1, missing.size), nLogits = 1).last()
+        val drafted = LongArray(g)
+        val probs = arrayOfNulls<DoubleArray>(g)
+        for (i in 0 until g) {
+            val (token, q) = pickToken(logits, sampling, rng)
+            drafted[i] = token.toLong(); probs[i] = q
+            if (i + 1 < g) logits = runner.forward(longArrayOf(token.toLong())).last()
+        }
+        return Proposal(drafted, if (sampling.greedy) null else Array(g) { probs[it]!! })
+    }
+
+    override fun accepted(tokens: LongArray, nAccepted: Int) { runner.cache.rollbackToPrefix(tokens) }
+    override fun reset(tokens: LongArray) { runner.cache.rollbackToPrefix(tokens) }
+}
+
+/** Self-speculation: the target's first stage (trunk) plus its head, writing into the target's cache. */
+class LayerSkipDrafter(val runner: ModelRunner) : Drafter() {
+    override val name = "layer-skip"
+
+    override fun propose(tokens: LongArray, gamma: Int, sampling: SamplingConfig, rng: UniformSource): Proposal? {
+        val cache = runner.cache
+        val start = cache.kvLen
+        val g = minOf(gamma, cache.maxContext - start - 1)
+        if (g <= 0) return null
+        var token = tokens.last()
+        var hidden: Hidden? = null
+        val drafted = LongArray(g)
+        val probs = arrayOfNulls<DoubleArray>(g)
+        for (i in 0 until g) {
+            val h = (runner.runStage(0, StageInput.Ids(longArrayOf(token)), start + i) as StageOutput.States).hidden
+            hidden = hidden?.concat(h) ?: h
+            val logits = (runner.runStage(1, StageInput.States(h), start + i, longArrayOf(0)) as StageOutput.Logits).rows.last()
+            val (t, q) = pickToken(logits, sampling, rng)
+            token = t.toLong(); drafted[i] = token; probs[i] = q
+        }
+        return Proposal(drafted, if (sampling.greedy) null else Array(g) { probs[it]!! }, hidden)
+    }
+}
+
+/** Copy when the text repeats, otherwise draft with a model: chosen per round. */
+class MixedDrafter(val lookup: PromptLookupDrafter, val model: Drafter?) : Drafter() {
+    override val name = "auto"
+    override fun select(tokens: LongArray): Drafter = if (model == null || lookup.find(tokens, 1).isNotEmpty()) lookup else model
+    override fun parts(): List<Drafter> = listOfNotNull(lookup, model)
+    override fun propose(tokens: LongArray, gamma: Int, sampling: SamplingConfig, rng: UniformSource) =
+        select(tokens).propose(tokens, gamma, sampling, rng)
+    override fun accepted(tokens: LongArray, nAccepted: Int) { parts().forEach { it.accepted(tokens, nAccepted) } }
+    override fun reset(tokens: LongArray) { parts().forEach { it.reset(tokens) } }
+}

@@ -1,0 +1,139 @@
+package dev.edgespec.core
+
+import java.io.File
+
+data class EngineConfig(
+    val drafter: String = "auto", // auto | model | layer-skip | lookup | none
+    val gamma: Int? = null, // null: adaptive
+    val maxGamma: Int = 8,
+    val checkHashes: Boolean = true,
+    val session: SessionSettings = SessionSettings(),
+)
+
+data class GenerateConfig(val maxNewTokens: Int = 256, val sampling: SamplingConfig = SamplingConfig(), val stop: List<String> = emptyList())
+
+data class GenerationResult(
+    val text: String, val promptIds: List<Int>, val tokenIds: List<Int>, val stopReason: String, val steps: List<Step>,
+) {
+    val acceptedTokens: Int get() = steps.sumOf { it.nAccepted }
+    val draftedTokens: Int get() = steps.sumOf { it.nDrafted }
+}
+
+/** Turns a growing id list into text pieces, holding back incomplete UTF-8 (runtime/tokenizer.py StreamDecoder). */
+class StreamDecoder(private val tokenizer: BpeTokenizer) {
+    private val ids = ArrayList<Int>()
+    private var emitted = ""
+    fun push(newIds: List<Int>): String {
+        ids.addAll(newIds)
+        val text = tokenizer.decode(ids.toIntArray())
+        if (text.endsWith("\uFFFD")) return ""
+        val piece = if (text.startsWith(emitted)) text.substring(emitted.length) else text.substring(minOf(emitted.length, text.length))
+        emitted = text
+        return piece
+    }
+}
+
+/**
+ * The on-device engine: one bundle, one sequence at a time (runtime/engine.py without chat templates).
+ * JVM-pure: no android.* import; the Android module wraps it in a coroutine Flow.
+ */
+class Engine(val bundleDir: File, val config: EngineConfig = EngineConfig(), stageRunner: StageRunner? = null) : AutoCloseable {
+    val manifest: Manifest = ManifestReader.load(bundleDir, config.checkHashes)
+    val tokenizer: BpeTokenizer = BpeTokenizer.fromFile(File(bundleDir, manifest.tokenizer.file))
+    private val runner: StageRunner = stageRunner ?: OrtStageRunner(bundleDir, config.session)
+    private val caches = HashMap<String, KvCache>()
+    val target: ModelRunner = runnerFor("target")
+    private val drafters = HashMap<String, Drafter?>()
+    var drafter: Drafter? = null
+        private set
+    private var gamma: Int? = config.gamma
+    val costs = CostModel()
+    private val lock = Any()
+
+    init { useDrafter(config.drafter, config.gamma) }
+
+    /** Switches drafter and γ policy (null: adaptive) without reloading sessions or buffers. */
+    fun useDrafter(kind: String, gamma: Int? = null) = synchronized(lock) {
+        require(kind in listOf("auto", "model", "layer-skip", "lookup", "none")) { "unknown drafter $kind" }
+        drafter = drafters.getOrPut(kind) { makeDrafter(kind) }
+        this.gamma = gamma
+    }
+
+    fun runnerFor(role: String): ModelRunner {
+        val info = manifest.models[role] ?: throw BundleException("this bundle has no '$role' model (it has ${manifest.models.keys})")
+        val owner = info.sharesKvWith ?: role
+        val cache = caches.getOrPut(owner) {
+            val arch = manifest.models.getValue(owner).arch
+            if (arch.kvDtype != "float32") throw BundleException("KV dtype ${arch.kvDtype} is not supported on the phone path")
+            KvCache(0 until arch.nLayers, arch.nKvHeads, arch.maxContext, arch.headDim)
+        }
+        return ModelRunner(role, info, info.stages.map { manifest.stages.getValue(it) }, runner, cache)
+    }
+
+    private fun modelDrafter(kind: String): Drafter? {
+        val role = when (kind) { "model" -> "draft"; "layer-skip" -> "layer_skip"; else -> manifest.defaultDraft } ?: return null
+        return if (role == "layer_skip") LayerSkipDrafter(runnerFor(role)) else DraftModelDrafter(runnerFor(role))
+    }
+
+    private fun makeDrafter(kind: String): Drafter? = when (kind) {
+        "none" -> null
+        "lookup" -> PromptLookupDrafter()
+        "auto" -> MixedDrafter(PromptLookupDrafter(), modelDrafter("auto"))
+        else -> modelDrafter(kind)
+    }
+
+    fun encode(text: String, addSpecialTokens: Boolean = true): IntArray = tokenizer.encode(text, addSpecialTokens)
+
+    fun controllers(): Map<String, GammaController> {
+        val gc = GammaConfig(fixed = gamma, maxGamma = config.maxGamma)
+        return drafter?.parts()?.associate { it.name to GammaController(gc, costs) } ?: emptyMap()
+    }
+
+    /** Generates from prompt ids; `onPiece` receives text as tokens are accepted; `cancelled` is polled per pass. */
+    fun generate(
+        promptIds: IntArray, config: GenerateConfig = GenerateConfig(), speculative: Boolean = true,
+        cancelled: () -> Boolean = { false }, rng: UniformSource? = null, onPiece: (String) -> Unit = {},
+    ): GenerationResult = synchronized(lock) {
+        val maxContext = target.cache.maxContext
+        require(promptIds.isNotEmpty()) { "the prompt is empty" }
+        require(promptIds.size < maxContext) { "prompt has ${promptIds.size} tokens but the bundle's max context is $maxContext" }
+        val random: UniformSource = rng ?: Pcg64(config.sampling.seed ?: (System.nanoTime() and Long.MAX_VALUE))
+        val eos = manifest.tokenizer.eosTokenIds.toSet()
+        val decoder = StreamDecoder(tokenizer)
+        val generated = ArrayList<Int>()
+        val steps = ArrayList<Step>()
+        var stopReason: String? = null
+        var text = ""
+        val active = if (speculative) drafter else null
+        val ctrls = if (active != null) controllers() else emptyMap()
+        for (step in Loop.decodeSteps(target, active, LongArray(promptIds.size) { promptIds[it].toLong() }, config.sampling, random, ctrls, costs)) {
+            steps.add(step)
+            var new = step.tokens
+            val eosAt = new.indexOfFirst { it in eos }
+            if (eosAt >= 0) { new = new.subList(0, eosAt + 1); stopReason = "eos" }
+            if (generated.size + new.size >= config.maxNewTokens && stopReason == null) {
+                new = new.subList(0, config.maxNewTokens - generated.size); stopReason = "length"
+            }
+            val room = maxContext - promptIds.size - generated.size
+            if (new.size >= room && stopReason == null) { new = new.subList(0, room); stopReason = "context" }
+            generated.addAll(new)
+            var piece = decoder.push(new)
+            text += piece
+            val hit = config.stop.firstOrNull { it in text }
+            if (hit != null) {
+                val cut = text.indexOf(hit)
+                piece = piece.substring(0, maxOf(0, piece.length - (text.length - cut)))
+                text = text.substring(0, cut); stopReason = "stop"
+            }
+            if (piece.isNotEmpty()) onPiece(piece)
+            if (stopReason == null && cancelled()) stopReason = "cancelled"
+            if (stopReason != null) break
+        }
+        GenerationResult(text, promptIds.toList(), generated, stopReason ?: "length", steps)
+    }
+
+    fun generate(prompt: String, config: GenerateConfig = GenerateConfig(), onPiece: (String) -> Unit = {}): GenerationResult =
+        generate(encode(prompt), config, onPiece = onPiece)
+
+    override fun close() = runner.close()
+}

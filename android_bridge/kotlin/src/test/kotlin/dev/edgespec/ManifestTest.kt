@@ -1,0 +1,46 @@
+package dev.edgespec
+
+import dev.edgespec.core.BundleException
+import dev.edgespec.core.ManifestReader
+import org.json.JSONObject
+import org.junit.jupiter.api.Assertions.assertEquals
+import org.junit.jupiter.api.Assertions.assertThrows
+import org.junit.jupiter.api.Assertions.assertTrue
+import org.junit.jupiter.api.Test
+import java.io.File
+import java.nio.file.Files
+
+/** The manifest reader validates what edge_spec.manifest validates, with the same messages. */
+class ManifestTest {
+    private val bundle = File(Traces.dir, "tiny/llama")
+
+    private fun mutated(change: (JSONObject) -> Unit, fileChange: (File) -> Unit = {}): File {
+        val dir = Files.createTempDirectory("bundle").toFile()
+        bundle.copyRecursively(dir, overwrite = true)
+        val m = JSONObject(File(dir, "manifest.json").readText()); change(m)
+        File(dir, "manifest.json").writeText(m.toString()); fileChange(dir)
+        return dir
+    }
+
+    private fun refused(dir: File, vararg phrases: String) {
+        val e = assertThrows(BundleException::class.java) { ManifestReader.load(dir) }
+        for (p in phrases) assertTrue(e.message!!.contains(p), "'${e.message}' should mention '$p'")
+        dir.deleteRecursively()
+    }
+
+    @Test
+    fun `a good bundle loads with every role`() {
+        val m = ManifestReader.load(bundle)
+        assertEquals(setOf("target", "draft", "layer_skip"), m.models.keys)
+        assertEquals("target", m.models.getValue("layer_skip").sharesKvWith)
+    }
+
+    @Test fun `schema version`() = refused(mutated({ it.put("schema_version", 2) }), "schema version 2 is not supported")
+    @Test fun `unknown field`() = refused(mutated({ it.put("extra", 1) }), "unknown field(s) [extra]")
+    @Test fun `no target`() = refused(mutated({ m -> val models = m.getJSONObject("models"); models.put("x", models.remove("target")); m.remove("default_draft") }), "no 'target' model")
+    @Test fun `unknown quantization`() = refused(mutated({ it.getJSONObject("models").getJSONObject("target").put("quant", "int3") }), "unknown quantization 'int3'")
+    @Test fun `missing file`() = refused(mutated({}, { File(it, "tokenizer.json").delete() }), "bundle file missing")
+    @Test fun `altered file`() = refused(mutated({}, { File(it, "tokenizer.json").appendText(" ") }), "bundle file altered")
+    @Test fun `bad layer count`() = refused(mutated({ it.getJSONObject("models").getJSONObject("target").getJSONObject("arch").put("n_layers", 5) }), "arch says 5")
+    @Test fun `not a bundle`() = refused(Files.createTempDirectory("empty").toFile(), "is not a bundle")
+}

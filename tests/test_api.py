@@ -1,0 +1,247 @@
+"""runtime.api.Model: the embedding API (sync and async streams, queueing, cancellation)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from edge_spec.sampling import SamplingConfig
+from runtime.api import Chunk, Model, Options, QueueFullError, QueueTimeoutError, _stop_prefix_len
+from runtime.engine import EngineConfig, GenerateConfig, PromptTooLongError
+
+PROMPTS = ["the cat sat on", "quick brown fox", "river stone tree", "print def return import", "morning night light"]
+
+
+@pytest.fixture(scope="module")
+def model(llama_bundle):
+    """Default drafter (speculative), so every answer is also checked against plain decoding."""
+    m = Model.load(llama_bundle, provider="cpu", threads=1, max_queue=3)
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="module")
+def plain(model):
+    """Plain greedy decoding with the same sessions: the answer speculation must reproduce."""
+
+    def greedy(prompt=None, messages=None, max_tokens=16, stop=()):
+        ids = model.encode(prompt=prompt, messages=messages)
+        return model.engine.generate(ids, GenerateConfig(max_tokens, SamplingConfig(), tuple(stop)), speculative=False)
+
+    return greedy
+
+
+def _text(chunks) -> str:
+    return "".join(c.text for c in chunks)
+
+
+def test_generate_and_stream_agree_with_plain_decoding(model, plain):
+    for prompt in PROMPTS:
+        expected = plain(prompt, max_tokens=16)
+        result = model.generate(prompt, max_tokens=16)
+        assert (result.text, result.token_ids) == (expected.text, expected.token_ids)
+        assert result.prompt_ids == model.encode(prompt=prompt)
+        assert result.stop_reason in ("length", "eos")
+        assert {"target_passes", "drafted_tokens", "accepted_tokens", "acceptance_rate", "tokens_per_pass"} <= set(result.stats)
+        assert result.timings["queue_s"] >= 0
+        chunks = list(model.stream(prompt, max_tokens=16))
+        assert all(isinstance(c, Chunk) for c in chunks)
+        assert chunks[-1].text == "" and chunks[-1].result is not None
+        assert all(c.result is None for c in chunks[:-1])
+        assert _text(chunks) == expected.text
+        assert chunks[-1].result.token_ids == expected.token_ids
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    assert model.generate(messages=messages, max_tokens=8).text == plain(messages=messages, max_tokens=8).text
+
+
+def test_stop_strings_are_never_streamed(model, plain):
+    checked = 0
+    for prompt in PROMPTS:
+        text = plain(prompt, max_tokens=20).text
+        for start in range(1, len(text) - 3):
+            stop = text[start : start + 3]
+            if "\ufffd" in stop:
+                continue
+            cut = text.index(stop)
+            result = model.generate(prompt, max_tokens=20, stop=[stop])
+            streamed = _text(model.stream(prompt, max_tokens=20, stop=(stop, "zzzzzz")))
+            assert result.text == streamed == text[:cut], (prompt, stop)
+            assert result.stop_reason == "stop"
+            checked += 1
+            break
+    assert checked >= 3
+    assert _stop_prefix_len("abc", ("cde",)) == 1
+    assert _stop_prefix_len("abcd", ("cde", "bcdx")) == 3
+    assert _stop_prefix_len("abc", ("xyz",)) == 0
+    assert _stop_prefix_len("ab", ("ab",)) == 0  # a whole stop string is the engine's to cut
+
+
+def test_seeded_sampling_repeats_with_fixed_gamma(llama_bundle):
+    # Speculative sampling draws from one seeded stream; adaptive γ picks draft lengths from
+    # measured (wall-clock) costs, so exact repeats need fixed γ choices: --gamma N.
+    fixed = Model.load(llama_bundle, provider="cpu", threads=1, gamma=3)
+    settings = dict(max_tokens=20, temperature=0.9, top_k=40, top_p=0.95, seed=3)
+    a = fixed.generate("the cat", **settings)
+    assert all(fixed.generate("the cat", **settings).token_ids == a.token_ids for _ in range(3))
+    assert fixed.generate("the cat", options=Options(**settings)).token_ids == a.token_ids
+    assert _text(fixed.stream("the cat", **settings)) == a.text
+    assert len({tuple(fixed.generate("the cat", **{**settings, "seed": s}).token_ids) for s in range(6)}) > 1
+    fixed.close()
+
+
+def test_max_tokens_and_settings(model):
+    assert len(model.generate("the cat", max_tokens=3).token_ids) == 3
+    for bad in ({"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"seed": -2}, {"stop": [""]}, {"max_tokens": 2.5}):
+        with pytest.raises(ValueError):
+            model.generate("the cat", **bad)
+    with pytest.raises(PromptTooLongError):
+        model.generate("dog " * 200)
+    with pytest.raises(ValueError):
+        model.generate("a", messages=[{"role": "user", "content": "b"}])
+    with pytest.raises(TypeError):
+        model.generate("a", unknown_setting=1)
+
+
+def test_async_generate_and_stream(model, plain):
+    async def main():
+        results = await asyncio.gather(*(model.agenerate(p, max_tokens=12) for p in PROMPTS[:3]))
+        pieces = []
+        async for chunk in model.astream(PROMPTS[3], max_tokens=12):
+            pieces.append(chunk)
+        return results, pieces
+
+    results, pieces = asyncio.run(main())
+    for prompt, result in zip(PROMPTS[:3], results):
+        assert result.text == plain(prompt, max_tokens=12).text
+    assert _text(pieces) == plain(PROMPTS[3], max_tokens=12).text and pieces[-1].result is not None
+
+
+def test_threads_share_one_model_without_mixing(model, plain):
+    expected = {p: plain(p, max_tokens=14).text for p in PROMPTS}
+    got: dict = {}
+
+    def worker(i):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        got[i] = (prompt, _text(model.stream(prompt, max_tokens=14)))
+
+    # four at a time: max_queue 3 admits them all (one runs, three wait)
+    for batch in range(2):
+        threads = [threading.Thread(target=worker, args=(batch * 4 + i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not any(t.is_alive() for t in threads)
+    assert len(got) == 8 and all(text == expected[prompt] for prompt, text in got.values())
+
+
+def test_bounded_queue_fifo_and_cancel_while_waiting(model):
+    held = iter(model.submit("the cat", max_tokens=30))
+    next(held)  # holds the engine until closed
+    try:
+        jobs = [model.submit(p, max_tokens=4) for p in PROMPTS[:3]]
+        assert model.queue_depth == 3 and model.busy
+        with pytest.raises(QueueFullError):
+            model.submit("one too many")
+        rejected = model.counters()["rejected"]
+        assert rejected >= 1
+        jobs[1].cancel()
+        order: list = []
+        done = threading.Event()
+
+        def run(job, name):
+            result = job.result()
+            order.append((name, result.stop_reason))
+            if len(order) == 3:
+                done.set()
+
+        threads = [threading.Thread(target=run, args=(job, i)) for i, job in enumerate(jobs)]
+        for i, t in enumerate(threads):
+            t.start()
+            time.sleep(0.05)  # arrival order 0, 1, 2
+        # the cancelled one leaves at once, without the engine
+        deadline = time.monotonic() + 5
+        while not order and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert order == [(1, "cancelled")]
+    finally:
+        held.close()
+    assert done.wait(20)
+    assert [name for name, _ in order] == [1, 0, 2]
+    assert all(reason in ("length", "eos") for _, reason in order[1:])
+    assert model.queue_depth == 0 and not model.busy
+
+
+def test_cancel_a_running_generation(model):
+    cancel = threading.Event()
+    pieces = []
+    result = None
+    for chunk in model.stream("the cat sat on", max_tokens=40, cancel=cancel):
+        if chunk.text:
+            pieces.append(chunk.text)
+            cancel.set()
+        result = chunk.result or result
+    assert result.stop_reason == "cancelled"
+    assert 0 < len(result.token_ids) < 40
+    assert not model.busy
+    # the async side: leaving the loop early cancels, and frees the engine
+    async def leave_early():
+        job = model.astream("the cat sat on", max_tokens=40)
+        async for chunk in job:
+            if chunk.text:
+                break
+        for _ in range(200):
+            if job.done and not model.busy:
+                break
+            await asyncio.sleep(0.01)
+        return job
+
+    # The worker thread decodes ahead of the consumer; slow the target down so that 40 tokens
+    # take far longer than it takes to leave.
+    runner = model.engine.target
+    original = runner.forward
+    runner.forward = lambda *args, **kwargs: (time.sleep(0.03), original(*args, **kwargs))[1]
+    try:
+        job = asyncio.run(leave_early())
+    finally:
+        del runner.forward
+    assert job.final.stop_reason == "cancelled" and not model.busy
+    assert len(job.final.token_ids) < 40
+    assert model.generate("the cat", max_tokens=4).stop_reason in ("length", "eos")
+
+
+def test_abandoned_sync_stream_frees_the_engine(model):
+    for chunk in model.stream("quick brown fox", max_tokens=40):
+        break
+    assert not model.busy and model.queue_depth == 0
+    job = model.submit("quick brown fox", max_tokens=40)
+    del job  # admitted but never run: its queue slot comes back
+    assert model.queue_depth == 0
+
+
+def test_queue_timeout(llama_bundle):
+    m = Model.load(llama_bundle, engine_config=EngineConfig(provider="cpu", threads=1, drafter="none", calibrate=False),
+                   max_queue=1, queue_timeout=0.3)
+    held = iter(m.submit("the cat", max_tokens=30))
+    next(held)
+    try:
+        began = time.monotonic()
+        with pytest.raises(QueueTimeoutError):
+            m.generate("the dog", max_tokens=4)
+        assert 0.25 < time.monotonic() - began < 3
+        assert m.counters()["queue_timeouts"] == 1 and m.queue_depth == 0
+
+        async def wait_async():
+            with pytest.raises(QueueTimeoutError):
+                await m.agenerate("the dog", max_tokens=4)
+
+        asyncio.run(wait_async())
+    finally:
+        held.close()
+    assert m.generate("the dog", max_tokens=4).token_ids
+    m.close()
+    with pytest.raises(RuntimeError):
+        m.generate("the dog")
