@@ -127,6 +127,12 @@ def _build(cls, data: dict[str, Any], where: str):
     return obj
 
 
+def _object(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise BundleError(f"manifest {where} must be a JSON object, not {type(value).__name__}")
+    return value
+
+
 def manifest_from_dict(data: dict[str, Any]) -> Manifest:
     version = data.get("schema_version")
     if version != SCHEMA_VERSION:
@@ -135,18 +141,19 @@ def manifest_from_dict(data: dict[str, Any]) -> Manifest:
             f"(it reads version {SCHEMA_VERSION}); re-export the bundle with this edge-spec version"
         )
     stages = {}
-    for key, raw in data.get("stages", {}).items():
-        raw = dict(raw)
+    for key, raw in _object(data.get("stages", {}), "stages").items():
+        raw = dict(_object(raw, f"stage {key!r}"))
         for tuple_field in ("data_files", "inputs", "outputs"):
             raw[tuple_field] = tuple(raw.get(tuple_field, ()))
         stages[key] = _build(StageInfo, raw, f"stage {key!r}")
     models = {}
-    for role, raw in data.get("models", {}).items():
-        raw = dict(raw)
-        raw["arch"] = _build(ArchInfo, raw.get("arch", {}), f"model {role!r} arch")
+    for role, raw in _object(data.get("models", {}), "models").items():
+        raw = dict(_object(raw, f"model {role!r}"))
+        raw["arch"] = _build(ArchInfo, _object(raw.get("arch", {}), f"model {role!r} arch"), f"model {role!r} arch")
         raw["stages"] = tuple(raw.get("stages", ()))
         models[role] = _build(ModelInfo, raw, f"model {role!r}")
-    tok = dict(data.get("tokenizer", {}))
+    _object(data.get("files", {}), "files")
+    tok = dict(_object(data.get("tokenizer", {}), "tokenizer"))
     tok["eos_token_ids"] = tuple(tok.get("eos_token_ids", ()))
     tokenizer = _build(TokenizerInfo, tok, "tokenizer")
     rest = {k: v for k, v in data.items() if k not in ("stages", "models", "tokenizer")}
@@ -157,8 +164,10 @@ def validate(manifest: Manifest, bundle_dir: Path, check_hashes: bool = True) ->
     """Every check a bundle gets; raises BundleError naming the first problem found."""
     if "target" not in manifest.models:
         raise BundleError("manifest has no 'target' model")
-    if manifest.default_draft is not None and manifest.default_draft not in manifest.models:
-        raise BundleError(f"manifest default_draft {manifest.default_draft!r} is not one of its models")
+    if manifest.default_draft is not None and (manifest.default_draft not in manifest.models or manifest.default_draft == "target"):
+        raise BundleError(f"manifest default_draft {manifest.default_draft!r} is not one of its models (other than the target)")
+    if not manifest.tokenizer.eos_token_ids:
+        raise BundleError("manifest tokenizer lists no EOS token id")
     target = manifest.target
     for role, model in manifest.models.items():
         if model.quant not in QUANTS:
@@ -179,9 +188,14 @@ def validate(manifest: Manifest, bundle_dir: Path, check_hashes: bool = True) ->
             owner = manifest.models.get(model.shares_kv_with)
             if owner is None or owner.shares_kv_with is not None:
                 raise BundleError(f"model {role!r} shares KV with {model.shares_kv_with!r}, which owns none")
-            if owner.arch.max_context != model.arch.max_context:
-                raise BundleError(f"model {role!r} and {model.shares_kv_with!r} disagree on max context")
+            for fact in ("max_context", "n_kv_heads", "head_dim", "kv_dtype"):
+                if getattr(owner.arch, fact) != getattr(model.arch, fact):
+                    raise BundleError(f"model {role!r} and {model.shares_kv_with!r} disagree on {fact.replace('_', ' ')}")
         _validate_stages(manifest, role, model)
+    for role, model in manifest.models.items():
+        owner = manifest.models.get(model.shares_kv_with or role)
+        if model.stages[0] != owner.stages[0] or model.stages[-1] != owner.stages[-1]:
+            raise BundleError(f"model {role!r} must run {model.shares_kv_with!r}'s first and last stages")
     _validate_files(manifest, bundle_dir, check_hashes)
 
 
@@ -215,6 +229,8 @@ def _validate_files(manifest: Manifest, bundle_dir: Path, check_hashes: bool) ->
     if unlisted:
         raise BundleError(f"manifest lists no hash for {sorted(unlisted)}")
     for rel, expected in manifest.files.items():
+        if Path(rel).is_absolute() or ".." in Path(rel).parts:
+            raise BundleError(f"manifest file {rel!r} points outside the bundle folder")
         path = bundle_dir / rel
         if not path.is_file():
             raise BundleError(f"bundle file missing: {path} (the bundle is incomplete; re-export it)")

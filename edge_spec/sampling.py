@@ -73,6 +73,18 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
 _TOP_P_CANDIDATES = 2048
 
 
+def _top_p_removal_sorted(scaled: np.ndarray, top_p: float) -> np.ndarray:
+    """Top-p removal mask [..., V] by a full stable sort (Hugging Face's rule)."""
+    order = np.argsort(scaled, axis=-1, kind="stable")  # [..., V] ascending
+    sorted_logits = np.take_along_axis(scaled, order, axis=-1)  # [..., V]
+    cumulative = np.cumsum(_softmax(sorted_logits), axis=-1)  # [..., V]
+    remove_sorted = cumulative <= 1.0 - top_p  # [..., V]
+    remove_sorted[..., -1] = False  # the most likely token always survives
+    remove = np.empty_like(remove_sorted)  # [..., V]
+    np.put_along_axis(remove, order, remove_sorted, axis=-1)  # back to vocab order
+    return remove
+
+
 def _top_p_removal_large(row: np.ndarray, top_p: float) -> np.ndarray | None:
     """Top-p removal mask for one large-vocabulary row [V] without sorting all of it.
 
@@ -137,19 +149,13 @@ def process_logits(logits: np.ndarray, config: SamplingConfig) -> np.ndarray:
 
     if config.top_p < 1.0 and scaled.shape[-1] > 4 * _TOP_P_CANDIDATES:
         rows = scaled.reshape(-1, vocab_size)  # [R, V]
+        # Row by row, so a row's p never depends on which other rows share the call.
         removals = [_top_p_removal_large(row, config.top_p) for row in rows]
-        if all(r is not None for r in removals):
-            return _softmax(np.where(np.stack(removals).reshape(scaled.shape), -np.inf, scaled))
+        removals = [r if r is not None else _top_p_removal_sorted(row, config.top_p) for r, row in zip(removals, rows)]
+        return _softmax(np.where(np.stack(removals).reshape(scaled.shape), -np.inf, scaled))
 
     if config.top_p < 1.0:
-        order = np.argsort(scaled, axis=-1, kind="stable")  # [..., V] ascending
-        sorted_logits = np.take_along_axis(scaled, order, axis=-1)  # [..., V]
-        cumulative = np.cumsum(_softmax(sorted_logits), axis=-1)  # [..., V]
-        remove_sorted = cumulative <= 1.0 - config.top_p  # [..., V]
-        remove_sorted[..., -1] = False  # the most likely token always survives
-        remove = np.empty_like(remove_sorted)  # [..., V]
-        np.put_along_axis(remove, order, remove_sorted, axis=-1)  # back to vocab order
-        scaled = np.where(remove, -np.inf, scaled)  # [..., V]
+        scaled = np.where(_top_p_removal_sorted(scaled, config.top_p), -np.inf, scaled)  # [..., V]
 
     return _softmax(scaled)
 

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
 
     drafts = tuple(args.draft) if args.draft else default_drafts(args.model)
     drafts = tuple(d for d in drafts if d != "none")
-    out = args.out or Path("bundles") / f"{Path(args.model).stem}-{args.quant}"
+    out = args.out or Path("bundles") / f"{Path(args.model).name.removesuffix('.gguf')}-{args.quant}"
     config = ExportConfig(args.model, out, args.quant, args.max_context, drafts, args.force)
     try:
         manifest = export_bundle(config)

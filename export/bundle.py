@@ -165,15 +165,21 @@ def export_bundle(config: ExportConfig, log: Callable[[str], None] = _log_stderr
     model_drafts = [d for d in config.drafts if not d.startswith(LAYER_SKIP_PREFIX)]
     if len(layer_skips) > 1 or len(model_drafts) > 1:
         raise ExportError("at most one draft model and one layer-skip draft per bundle")
+    if layer_skips and not layer_skips[0][len(LAYER_SKIP_PREFIX) :].isdigit():
+        raise ExportError(f"{layer_skips[0]!r}: write layer-skip:N with N a number of layers")
     progress = Progress(log)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         manifest = _export_into(config, tmp, layer_skips, model_drafts, progress, load)
+        # The bundle appears whole or not at all; a replaced one is removed only afterwards.
+        old = out.with_name(out.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
         if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)  # the bundle appears whole or not at all
+            out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

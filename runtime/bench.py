@@ -98,7 +98,8 @@ def run_bench(bundle: str, prompts: list[BenchPrompt], modes: list[str], max_new
                 result = results[mode]
                 stats = result.stats
                 alpha = stats["alpha"]
-                cost = next(iter(v for v in stats["cost_ratio"].values() if v is not None), None) if mode in ("model", "layer-skip") else 0.0
+                # c of this mode's own drafter; auto mixes a free copier with its model drafter.
+                cost = stats["cost_ratio"].get(mode) if mode in ("model", "layer-skip") else None if mode == "auto" else 0.0
                 predicted, bound = _predicted(stats["gamma_histogram"], alpha, cost)
                 speedup = result.timings["decode_tokens_per_s"] / plain.timings["decode_tokens_per_s"]
                 runs.append({

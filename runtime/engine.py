@@ -57,6 +57,12 @@ class GenerateConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop: tuple[str, ...] = ()
 
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+
 
 @dataclass
 class GenerationResult:
@@ -155,7 +161,7 @@ class Engine:
             for part in self.drafter.parts():
                 if part.costs_passes:
                     self.target.cache.reset()
-                    part.reset()
+                    part.reset(token[:1])  # a draft model prefills here, outside the timing
                     self.target.forward(token[:1])
                     steps = 3
                     began = time.perf_counter()
@@ -216,25 +222,28 @@ class Engine:
             if first_step_at is None:
                 first_step_at = time.perf_counter()
             steps.append(step)
-            new = list(step.tokens)
-            for i, token in enumerate(new):
-                if token in eos:
-                    new, stop_reason = new[: i + 1], "eos"
-                    break
-            if len(generated) + len(new) >= config.max_new_tokens and stop_reason is None:
-                new, stop_reason = new[: config.max_new_tokens - len(generated)], "length"
+            # A round may commit tokens past where plain decoding would have stopped: cut at
+            # the token budget and the context first, then look for EOS within what is kept.
+            budget = config.max_new_tokens - len(generated)
             room = max_context - len(prompt_ids) - len(generated)
-            if len(new) >= room and stop_reason is None:
-                # A speculative round may commit past the point where plain decoding stops.
-                new, stop_reason = new[:room], "context"
+            new = list(step.tokens)[: min(budget, room)]
+            eos_at = next((i for i, token in enumerate(new) if token in eos), None)
+            if eos_at is not None:
+                new, stop_reason = new[: eos_at + 1], "eos"
+            elif len(new) == budget:
+                stop_reason = "length"
+            elif len(new) == room:
+                stop_reason = "context"
             generated += new
             piece = decoder.push(new)
             text += piece
-            hit = next((s for s in config.stop if s in text), None) if config.stop else None
-            if hit is not None:
-                cut = text.index(hit)
-                piece = piece[: max(0, len(piece) - (len(text) - cut))]
-                text, stop_reason = text[:cut], "stop"
+            if config.stop:
+                # The earliest stop string in the text wins, whichever the caller listed first.
+                hits = [at for at in (text.find(s, max(0, len(text) - len(piece) - len(s))) for s in config.stop) if at >= 0]
+                if hits:
+                    cut = min(hits)
+                    piece = piece[: max(0, len(piece) - (len(text) - cut))]
+                    text, stop_reason = text[:cut], "stop"
             if piece:
                 yield piece, None
             if stop_reason is None and cancel is not None and cancel.is_set():

@@ -53,6 +53,12 @@ class CostModel:
         known = sorted(self.target)
         if not known:
             return 1.0
+        if block > known[-1] and len(known) > 1:
+            # Past the largest measured block, extend the last segment's slope: a longer
+            # verify pass costs more, never the same.
+            below, top = known[-2], known[-1]
+            slope = (self.target[top] - self.target[below]) / (top - below)
+            return self.target[top] + max(slope, 0.0) * (block - top)
         return float(np.interp(block, known, [self.target[k] for k in known]))
 
     def cost_ratio(self, drafter: str) -> float | None:

@@ -66,21 +66,22 @@ def decode_steps(
             step_cost = costs.draft_step.get(active.name, 0.0) if active.costs_passes else 0.0
             n_gamma = min(controllers[active.name].choose(step_cost), target.cache.max_context - len(tokens))
         proposal = active.propose(tokens, n_gamma, sampling, rng) if n_gamma > 0 else None
-        drafted = time.perf_counter()
+        drafted_at = time.perf_counter()
         n_drafted = 0 if proposal is None else len(proposal.tokens)
         block = tokens[-1:] if proposal is None else np.concatenate([tokens[-1:], proposal.tokens])
         logits = target.forward(block, trunk_hidden=None if proposal is None else proposal.trunk_hidden)  # [γ+1,V]
-        verified = time.perf_counter()
+        verified_at = time.perf_counter()
         n_accepted, next_token = verify(logits, proposal, sampling, rng)
         new_tokens = np.append(block[1 : 1 + n_accepted], next_token)
         tokens = np.concatenate([tokens, new_tokens])
-        target.cache.rollback_to_prefix(tokens)
+        # tokens[:-1]: the pending token never keeps a row, even if it equals a rejected draft.
+        target.cache.rollback_to_prefix(tokens[:-1])
         if drafter is not None:
             drafter.accepted(tokens, n_accepted)
         if n_drafted:
             controllers[active.name].update(n_drafted, n_accepted)
             if active.costs_passes:
-                costs.record_draft(active.name, n_drafted, drafted - began)
-        costs.record_target(len(block), verified - drafted)
+                costs.record_draft(active.name, n_drafted, drafted_at - began)
+        costs.record_target(len(block), verified_at - drafted_at)
         name = active.name if n_drafted else None
-        yield Step(tuple(int(t) for t in new_tokens), n_gamma, n_drafted, n_accepted, drafted - began, verified - drafted, name)
+        yield Step(tuple(int(t) for t in new_tokens), n_gamma, n_drafted, n_accepted, drafted_at - began, verified_at - drafted_at, name)

@@ -53,13 +53,13 @@ class ModelRunner:
         self.cache.check_room(start, block)
         n_logits = block if n_logits is None else n_logits
         logit_positions = np.arange(block - n_logits, block, dtype=np.int64)
-        done = 0 if trunk_hidden is None else trunk_hidden.shape[1]
-        x = token_ids[None, done:]
+        n_trunk_done = 0 if trunk_hidden is None else trunk_hidden.shape[1]
+        x = token_ids[None, n_trunk_done:]
         for index in range(len(self.stages)):
-            if index == 0 and done:
-                x = np.concatenate([trunk_hidden, self.run_stage(0, x, start + done)], axis=1)  # [1,T,H]
-                continue
-            x = self.run_stage(index, x, start if index else start + done, logit_positions)
+            if index == 0 and n_trunk_done:
+                x = np.concatenate([trunk_hidden, self.run_stage(0, x, start + n_trunk_done)], axis=1)  # [1,T,H]
+            else:
+                x = self.run_stage(index, x, start, logit_positions)
         self.cache.extend(token_ids)
         return x[0]  # [N,V]
 

@@ -10,8 +10,8 @@ import onnxruntime as ort
 # What each --provider value means, and the package that brings it.
 PROVIDERS = {
     "cpu": ("CPUExecutionProvider", "onnxruntime"),
-    "cuda": ("CUDAExecutionProvider", "onnxruntime-gpu (pip install 'edge-spec[cuda]')"),
-    "dml": ("DmlExecutionProvider", "onnxruntime-directml on Windows (pip install 'edge-spec[directml]')"),
+    "cuda": ("CUDAExecutionProvider", "onnxruntime-gpu in place of onnxruntime"),
+    "dml": ("DmlExecutionProvider", "onnxruntime-directml in place of onnxruntime, on Windows"),
     "coreml": ("CoreMLExecutionProvider", "onnxruntime on macOS"),
 }
 AUTO_ORDER = ("cuda", "dml", "coreml", "cpu")

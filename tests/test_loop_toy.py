@@ -313,7 +313,8 @@ def test_cost_model_ema_and_ratio():
     costs.record_draft("x", 0, 99.0)  # no steps: ignored
     assert costs.cost_ratio("x") == pytest.approx(1.0 / 3.0)
     costs.record_target(5, 7.0)
-    assert costs.target_cost(3) == pytest.approx(5.0) and costs.target_cost(9) == pytest.approx(7.0)
+    # interpolated inside, extended along the last slope past the largest measured block
+    assert costs.target_cost(3) == pytest.approx(5.0) and costs.target_cost(9) == pytest.approx(11.0)
 
 
 # -- acceptance statistics through the loop -----------------------------------------------------

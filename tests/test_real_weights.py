@@ -60,29 +60,21 @@ def test_qwen_1_5b_fp32_matches_transformers():
     _parity(real.bundle("qwen15-fp32"), real.QWEN_TARGET, 24)
 
 
-@pytest.fixture(scope="module", params=["qwen-pair-int4", "qwen-pair-int8"])
-def pair_engine(request):
+_ENGINES: dict[str, Engine] = {}
+
+
+def _pair(name: str) -> Engine:
     real.need(real.QWEN_TARGET, real.QWEN_DRAFT, real.HUMANEVAL)
-    return Engine(real.bundle(request.param), EngineConfig(drafter="none", calibrate=False))
+    if name not in _ENGINES:
+        _ENGINES.clear()  # one real pair in memory at a time
+        _ENGINES[name] = Engine(real.bundle(name), EngineConfig(drafter="none", calibrate=False))
+    return _ENGINES[name]
 
 
-@pytest.mark.parametrize("drafter", ["model", "layer-skip", "lookup", "auto"])
-def test_qwen_pair_greedy_speculative_equals_plain(pair_engine, drafter):
-    """CI runs 3 prompts x 64 tokens per drafter; the full 20 x 128 check is in BENCHMARKS.md."""
-    config = GenerateConfig(max_new_tokens=64)
-    for messages in real.humaneval_messages(3):
-        ids = pair_engine.encode(messages=messages)
-        pair_engine.use_drafter("none")
-        plain = pair_engine.generate(ids, config)
-        pair_engine.use_drafter(drafter)
-        speculative = pair_engine.generate(ids, config)
-        assert speculative.token_ids == plain.token_ids
-        assert speculative.stats["target_passes"] <= plain.stats["target_passes"]
-
-
-def test_qwen_pair_audit_passes_at_temperature_0_8_top_p_0_95(pair_engine):
+def test_qwen_pair_audit_passes_at_temperature_0_8_top_p_0_95():
     from runtime.audit import compare
 
+    pair_engine = _pair("qwen-pair-int4")
     pair_engine.use_drafter("model", gamma=4)
     ids = pair_engine.encode(messages=[{"role": "user", "content": "Name a fruit."}])
     samples, positions = 150, 3
@@ -96,3 +88,20 @@ def test_qwen_pair_audit_passes_at_temperature_0_8_top_p_0_95(pair_engine):
         runs[speculative] = np.array(rows)
     report = compare(runs[True], runs[False])
     assert report.passed, report.to_dict()
+
+
+@pytest.mark.parametrize("name", ["qwen-pair-int4", "qwen-pair-int8"])
+def test_qwen_pair_greedy_speculative_equals_plain(name):
+    """CI checks 2 HumanEval prompts x 48 tokens per drafter and precision; the 20 x 128
+    check is `bench` in BENCHMARKS.md. A forced γ=3 keeps every drafter drafting."""
+    engine = _pair(name)
+    config = GenerateConfig(max_new_tokens=48)
+    for i, messages in enumerate(real.humaneval_messages(2)):
+        ids = engine.encode(messages=messages)
+        engine.use_drafter("none")
+        plain = engine.generate(ids, config).token_ids
+        for drafter in ("model", "layer-skip", "lookup", "auto"):
+            engine.use_drafter(drafter, gamma=3)
+            speculative = engine.generate(ids, config)
+            assert speculative.token_ids == plain, (drafter, i)
+            assert speculative.stats["drafted_tokens"] > 0, (drafter, i)

@@ -20,6 +20,12 @@ class Proposal:
     # KV rows already written, so the verify pass does not compute them again.
     trunk_hidden: np.ndarray | None = None  # [1, γ, H]
 
+    @classmethod
+    def of(cls, tokens: list[int], draft_probs: list[np.ndarray | None], trunk_hidden: np.ndarray | None = None) -> "Proposal":
+        """From per-token picks; q is None when drafted greedily (no distribution needed)."""
+        probs = None if draft_probs[0] is None else np.stack(draft_probs)  # [γ,V]
+        return cls(np.array(tokens, dtype=np.int64), probs, trunk_hidden)
+
 
 class Drafter(ABC):
     name: str

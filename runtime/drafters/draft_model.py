@@ -28,16 +28,18 @@ class DraftModelDrafter(Drafter):
         logits = self.runner.forward(missing[-1:], n_logits=1)[-1]  # [V]
         drafted, draft_probs = [], []
         for i in range(gamma):
-            token, probs = pick_token(logits, sampling, rng)
+            token, token_probs = pick_token(logits, sampling, rng)
             drafted.append(token)
-            draft_probs.append(probs)
+            draft_probs.append(token_probs)
             if i + 1 < gamma:
                 logits = self.runner.forward([token])[-1]  # [V]
-        probs = None if sampling.greedy else np.stack(draft_probs)  # [γ,V]
-        return Proposal(np.array(drafted, dtype=np.int64), probs)
+        return Proposal.of(drafted, draft_probs)
 
     def accepted(self, tokens, n_accepted):
-        self.runner.cache.rollback_to_prefix(tokens)
+        # Never keep a row for the pending (last) token: the next round feeds it first.
+        self.runner.cache.rollback_to_prefix(tokens[:-1])
 
     def reset(self, tokens=()):
+        # Prefill the prompt now, so it is timed as prefill rather than as drafting.
         self.runner.cache.rollback_to_prefix(tokens)
+        self.runner.prefill(np.asarray(tokens, dtype=np.int64)[self.runner.cache.kv_len :])

@@ -21,19 +21,18 @@ class LayerSkipDrafter(Drafter):
 
     def propose(self, tokens, gamma, sampling, rng):
         cache = self.runner.cache
-        start = cache.kv_len  # == len(tokens) - 1: the pending token goes at `start`
-        gamma = min(gamma, cache.max_context - start - 1)
+        kv_len = cache.kv_len  # == len(tokens) - 1: the pending token goes at `kv_len`
+        gamma = min(gamma, cache.max_context - kv_len - 1)
         if gamma <= 0:
             return None
         token = int(tokens[-1])
         hidden, drafted, draft_probs = [], [], []
         first_position = np.zeros(1, dtype=np.int64)
         for i in range(gamma):
-            h = self.runner.run_stage(0, np.array([[token]], dtype=np.int64), start + i)  # [1,1,H]
-            hidden.append(h)
-            logits = self.runner.run_stage(1, h, start + i, first_position)[0, -1]  # [V]
-            token, probs = pick_token(logits, sampling, rng)
+            trunk_hidden = self.runner.run_stage(0, np.array([[token]], dtype=np.int64), kv_len + i)  # [1,1,H]
+            hidden.append(trunk_hidden)
+            logits = self.runner.run_stage(1, trunk_hidden, kv_len + i, first_position)[0, -1]  # [V]
+            token, token_probs = pick_token(logits, sampling, rng)
             drafted.append(token)
-            draft_probs.append(probs)
-        probs = None if sampling.greedy else np.stack(draft_probs)  # [γ,V]
-        return Proposal(np.array(drafted, dtype=np.int64), probs, np.concatenate(hidden, axis=1))
+            draft_probs.append(token_probs)
+        return Proposal.of(drafted, draft_probs, np.concatenate(hidden, axis=1))
