@@ -20,6 +20,16 @@ from dataclasses import dataclass
 import numpy as np
 
 
+def _as_int(value, message: str) -> int:
+    """value as an int; bools and non-integers raise ValueError(message)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{message}, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{message}, got {value!r}") from None
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How logits become a token distribution; shared verbatim by target and draft."""
@@ -35,26 +45,14 @@ class SamplingConfig:
             raise ValueError(f"temperature must be a number, got {self.temperature!r}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature!r}")
-        if isinstance(self.top_k, bool):
-            raise ValueError(f"top_k must be an int, got {self.top_k!r}")
-        try:
-            top_k = operator.index(self.top_k)
-        except TypeError:
-            raise ValueError(f"top_k must be an int, got {self.top_k!r}") from None
-        if top_k < 0:
+        if _as_int(self.top_k, "top_k must be an int") < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k!r}")
         if not isinstance(self.top_p, numbers.Real) or isinstance(self.top_p, bool):
             raise ValueError(f"top_p must be a number, got {self.top_p!r}")
         if not (0.0 < self.top_p <= 1.0):  # also rejects NaN
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None:
-            if isinstance(self.seed, bool):
-                raise ValueError(f"seed must be an int or None, got {self.seed!r}")
-            try:
-                seed = operator.index(self.seed)
-            except TypeError:
-                raise ValueError(f"seed must be an int or None, got {self.seed!r}") from None
-            if seed < 0:
+            if _as_int(self.seed, "seed must be an int or None") < 0:
                 raise ValueError(f"seed must be >= 0 (numpy seeding rule), got {self.seed!r}")
 
     @property

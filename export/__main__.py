@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from edge_spec.catalog import CATALOG
+from edge_spec.manifest import QUANTS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("model", help=f"catalog alias ({', '.join(CATALOG)}), hub id, local HF folder or .gguf file")
     parser.add_argument("--out", type=Path, help="bundle folder to write (default: bundles/<model>-<quant>)")
-    parser.add_argument("--quant", default="int4", choices=("int4", "int8", "fp16", "fp32"))
+    parser.add_argument("--quant", default="int4", choices=QUANTS)
     parser.add_argument("--max-context", type=int, default=2048, help="KV buffer length in tokens (default 2048)")
     parser.add_argument(
         "--draft",

@@ -1,4 +1,4 @@
-"""python -m runtime generate|audit BUNDLE ...: the command line over runtime.Engine."""
+"""python -m runtime generate|audit|bench|serve|chat BUNDLE ...: the command line over runtime.Engine."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-DRAFT_CHOICES = ("auto", "model", "layer-skip", "lookup", "none")
+from runtime.engine import DRAFTERS
 
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
@@ -15,7 +15,7 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-provider", help="provider for the draft model (default: --provider)")
     parser.add_argument("--allow-fallback", action="store_true", help="use the CPU when the provider is missing")
     parser.add_argument("--threads", type=int, default=0, help="intra-op threads (0: ONNX Runtime's default)")
-    parser.add_argument("--draft", default="auto", choices=DRAFT_CHOICES)
+    parser.add_argument("--draft", default="auto", choices=DRAFTERS)
     parser.add_argument("--gamma", default="auto", help="draft length: auto (adaptive) or a number")
     parser.add_argument("--max-gamma", type=int, default=8)
 

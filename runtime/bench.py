@@ -17,9 +17,9 @@ from pathlib import Path
 from edge_spec.catalog import models_dir
 from edge_spec.sampling import SamplingConfig
 from edge_spec.verify import expected_tokens_per_pass
-from runtime.engine import Engine, GenerateConfig
+from runtime.engine import DRAFTERS, Engine, GenerateConfig
 
-MODES = ("plain", "model", "lookup", "layer-skip", "auto")
+MODES = ("plain",) + tuple(d for d in DRAFTERS if d != "none")  # a mode is a drafter, or none
 HUMANEVAL_FILE = "HumanEval.jsonl.gz"
 
 

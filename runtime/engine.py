@@ -267,18 +267,18 @@ class Engine:
         # Prefill ends where the first round begins; the first round counts as decoding.
         prefill_s = (first_step_at - began - first.draft_s - first.target_s) if first else 0.0
         decode_s = max(ended - began - prefill_s, 1e-9)
-        drafted = sum(s.n_drafted for s in steps)
-        accepted = sum(s.n_accepted for s in steps)
-        rejections = sum(1 for s in steps if s.n_accepted < s.n_drafted)
+        n_drafted = sum(s.n_drafted for s in steps)
+        n_accepted = sum(s.n_accepted for s in steps)
+        n_rejections = sum(1 for s in steps if s.n_accepted < s.n_drafted)
         draft_s = sum(s.draft_s for s in steps)
         target_s = sum(s.target_s for s in steps)
         stats = {
             "target_passes": len(steps),
-            "drafted_tokens": drafted,
-            "accepted_tokens": accepted,
-            "acceptance_rate": accepted / drafted if drafted else None,
+            "drafted_tokens": n_drafted,
+            "accepted_tokens": n_accepted,
+            "acceptance_rate": n_accepted / n_drafted if n_drafted else None,
             # Per-token acceptance α: the MLE for runs truncated at γ, the α of E(α, γ).
-            "alpha": accepted / (accepted + rejections) if drafted else None,
+            "alpha": n_accepted / (n_accepted + n_rejections) if n_drafted else None,
             "tokens_per_pass": len(generated) / len(steps) if steps else 0.0,
             "gamma_histogram": {str(k): v for k, v in sorted(Counter(s.n_drafted for s in steps).items())},  # γ as drafted
             "drafter_rounds": dict(Counter(s.drafter or "none" for s in steps)),

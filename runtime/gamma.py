@@ -73,15 +73,15 @@ class GammaController:
         self.config = config
         self.costs = costs
         # Pseudo-counts: a weak prior that measured rounds quickly override.
-        self.accepted = 2.0 * prior_alpha
-        self.rejected = 2.0 * (1.0 - prior_alpha)
+        self.n_accepted = 2.0 * prior_alpha
+        self.n_rejected = 2.0 * (1.0 - prior_alpha)
         self.plain_steps = 0
 
     @property
     def alpha(self) -> float:
         """Per-token acceptance: accepted / (accepted + rejections), the MLE for a geometric
         run truncated at γ (positions after a rejection are never observed)."""
-        return self.accepted / (self.accepted + self.rejected)
+        return self.n_accepted / (self.n_accepted + self.n_rejected)
 
     def expected_speedup(self, gamma: int, draft_step_cost: float) -> float:
         if gamma == 0:
@@ -112,5 +112,5 @@ class GammaController:
         if n_drafted == 0:
             return
         decay = self.config.decay
-        self.accepted = decay * self.accepted + n_accepted
-        self.rejected = decay * self.rejected + (1.0 if n_accepted < n_drafted else 0.0)
+        self.n_accepted = decay * self.n_accepted + n_accepted
+        self.n_rejected = decay * self.n_rejected + (1.0 if n_accepted < n_drafted else 0.0)

@@ -8,19 +8,8 @@ import numpy as np
 import pytest
 
 from edge_spec.sampling import SamplingConfig, process_logits, sample
+from tests.scripted_rng import ScriptedRng
 
-
-class ScriptedRng:
-    """Stands in for np.random.Generator and hands out given uniforms in order."""
-
-    def __init__(self, uniforms):
-        self.uniforms = list(uniforms)
-        self.n_used = 0
-
-    def random(self) -> float:
-        value = self.uniforms[self.n_used]
-        self.n_used += 1
-        return value
 
 
 def reference_process(row, temperature, top_k=0, top_p=1.0):

@@ -23,6 +23,7 @@ from edge_spec.verify import (
     verify_greedy,
     verify_stochastic,
 )
+from tests.scripted_rng import ScriptedRng
 
 GAMMA = 3
 VOCAB = 12
@@ -39,18 +40,6 @@ PROCESSINGS = {
 SCENARIOS = ["equal", "close", "reversed", "draft_misses_target_mass", "draft_has_zero_target_mass"]
 SEEDS = [0, 1]
 
-
-class ScriptedRng:
-    """Stands in for np.random.Generator and hands out given uniforms in order."""
-
-    def __init__(self, uniforms):
-        self.uniforms = list(uniforms)
-        self.n_used = 0
-
-    def random(self) -> float:
-        value = self.uniforms[self.n_used]
-        self.n_used += 1
-        return value
 
 
 # --- Monte Carlo helpers ------------------------------------------------------------
