@@ -1,6 +1,6 @@
 """Logits of bundles against transformers fp32 on the same checkpoint.
 
-    python benchmarks/precision.py MODEL BUNDLE [BUNDLE ...] [--prompts N] [--out FILE.json]
+    python -m benchmarks precision MODEL BUNDLE [BUNDLE ...] [--prompts N] [--out FILE.json]
 
 MODEL is what the bundles were exported from (alias, folder, .gguf). For each bundle's target:
 max |Δlogit| over every position of each prompt, and top-1 agreement (the fraction of positions
@@ -9,35 +9,21 @@ whose argmax equals transformers'). Prompts: HumanEval chat prompts and two raw 
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-from pathlib import Path
-
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("model")
-    parser.add_argument("bundles", nargs="+")
-    parser.add_argument("--prompts", type=int, default=5)
-    parser.add_argument("--out")
-    args = parser.parse_args()
-
+def compare(model: str, bundles: list[str], n_prompts: int) -> dict:
     import torch
 
     from export.sources import load_checkpoint
     from runtime.bench import load_prompts
     from runtime.engine import Engine, EngineConfig
 
-    checkpoint = load_checkpoint(args.model)
-    engines = {b: Engine(b, EngineConfig(drafter="none", calibrate=False)) for b in args.bundles}
+    checkpoint = load_checkpoint(model)
+    engines = {b: Engine(b, EngineConfig(drafter="none", calibrate=False)) for b in bundles}
     first = next(iter(engines.values()))
     prompt_ids = [first.encode(prompt=p) for p in ("def quicksort(items):\n", "The history of the printing press")]
-    prompt_ids += [first.encode(messages=list(p.messages)) for p in load_prompts(f"humaneval:{args.prompts}")]
+    prompt_ids += [first.encode(messages=list(p.messages)) for p in load_prompts(f"humaneval:{n_prompts}")]
     rows = {}
     for bundle, engine in engines.items():
         diffs, agree, total = [], 0, 0
@@ -56,10 +42,4 @@ def main() -> int:
             "positions": total,
         }
         print(f"{bundle}: {rows[bundle]}", flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return rows

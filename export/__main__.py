@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
 from pathlib import Path
 
 from edge_spec.catalog import CATALOG
@@ -26,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         "(default: the catalog's draft for MODEL)",
     )
     parser.add_argument("--force", action="store_true", help="replace an existing bundle folder")
+    parser.add_argument("--json", action="store_true", help="print the final summary as one JSON object")
     args = parser.parse_args(argv)
 
     from export.archs import UnsupportedArchitecture
@@ -36,14 +39,20 @@ def main(argv: list[str] | None = None) -> int:
     drafts = tuple(d for d in drafts if d != "none")
     out = args.out or Path("bundles") / f"{Path(args.model).name.removesuffix('.gguf')}-{args.quant}"
     config = ExportConfig(args.model, out, args.quant, args.max_context, drafts, args.force)
+    began = time.perf_counter()
     try:
         manifest = export_bundle(config)
     except (ExportError, SourceError, UnsupportedArchitecture) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    sizes = sum((out / f).stat().st_size for f in manifest.files)
+    seconds = time.perf_counter() - began
+    sizes = {f: (out / f).stat().st_size for f in manifest.files}
+    if args.json:
+        roles = {role: {"layers": m.arch.n_layers, "stages": list(m.stages), "source": m.source} for role, m in manifest.models.items()}
+        print(json.dumps({"bundle": str(out), "quant": args.quant, "max_context": args.max_context, "roles": roles, "bytes": sizes, "seconds": seconds}))
+        return 0
     roles = ", ".join(f"{role} ({m.arch.n_layers} layers)" for role, m in manifest.models.items())
-    print(f"{out}: {roles}; {args.quant}; {sizes / 2**20:.0f} MiB; max context {args.max_context}")
+    print(f"{out}: {roles}; {args.quant}; {sum(sizes.values()) / 2**20:.0f} MiB; max context {args.max_context}; {seconds:.0f} s")
     return 0
 
 
