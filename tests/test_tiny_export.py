@@ -193,11 +193,10 @@ def test_generation_stops_at_context(drafter, bundles, greedy_reference):
     ids, plain = greedy_reference["llama"]
     engine = _engine(bundles["llama"], drafter, 3 if drafter != "none" else None)
     result = engine.generate(ids, GenerateConfig(max_new_tokens=500))
-    if result.stop_reason == "eos":
-        pytest.skip("the tiny model emitted EOS before filling the context")
+    # The tiny model is seeded and never emits EOS within its 64-token context.
     assert result.stop_reason == "context"
-    total = len(ids) + len(result.token_ids)
-    assert tiny.MAX_CONTEXT <= total <= tiny.MAX_CONTEXT + 1
+    # A speculative round may commit past the end; the engine cuts where plain decoding stops.
+    assert len(ids) + len(result.token_ids) == tiny.MAX_CONTEXT
     assert result.token_ids[: len(plain)] == plain
 
 
