@@ -54,6 +54,9 @@ def make_session(path, provider: str, config: SessionConfig) -> ort.InferenceSes
     options.log_severity_level = 3
     if config.threads:
         options.intra_op_num_threads = config.threads
+    # Stages and roles run one after another on the same cores: a pool that spins after its
+    # run steals them from the next session (measured 7.7 -> 12.6 tok/s, Qwen 1.5B int4, 2 cores).
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     # Static KV: inputs keep their shapes, so ORT's memory-pattern planner helps on CPU.
     options.enable_mem_pattern = provider != "dml"
     providers = [PROVIDERS[provider][0]]
