@@ -1,8 +1,9 @@
 """The bundle manifest: a versioned description of every file in a bundle, validated up front.
 
 A bundle is a folder holding `manifest.json`, stage graphs (`*.onnx` with external data), and
-`tokenizer.json`. Every problem a bundle can have is found by `load_manifest`, so nothing is
-checked inside the decode loop.
+`tokenizer.json`, optionally with Core ML packages (`*.mlpackage` folders) for the same stages.
+Every problem a bundle can have is found by `load_manifest`, so nothing is checked inside the
+decode loop.
 """
 
 from __future__ import annotations
@@ -75,6 +76,53 @@ class ModelInfo:
     shares_kv_with: str | None = None
 
 
+# Core ML names: feature names cannot hold "." (coremltools would rename them), so the package's
+# inputs and outputs are the edge_spec names with "_"; each layer's KV is a pair of states.
+COREML_COMPRESSIONS = ("none", "int8-per-channel", "int4-per-block32")
+COREML_STATE_MULTIPLE = 32  # state lengths the Neural Engine tiles without padding
+
+
+def coreml_feature(name: str) -> str:
+    return name.replace(".", "_")
+
+
+def coreml_inputs(embed: bool, layers: range) -> list[str]:
+    """No logit_positions: Core ML enumerates the shape of one input only, so the head scores
+    every row of the block and the runtime keeps the rows it asked for."""
+    return [coreml_feature(names.INPUT_IDS if embed else names.HIDDEN_IN)] + ([coreml_feature(names.KV_LEN)] if layers else [])
+
+
+def coreml_outputs(head: bool, layers: range) -> list[str]:
+    return [coreml_feature(name) for name in names.stage_outputs(head, layers)]
+
+
+def coreml_state(kind: str, layer: int) -> str:
+    return f"{kind}_cache_{layer}"  # fp16 [1, kv_heads, state_length, head_dim]
+
+
+def coreml_state_names(layers: range) -> list[str]:
+    return [coreml_state(kind, layer) for layer in layers for kind in ("key", "value")]
+
+
+@dataclass(frozen=True)
+class CoreMLPackageInfo:
+    """A stage as a stateful Core ML ML program (iOS 18 / macOS 15), keyed like `stages`.
+
+    `file` is a folder: `files` lists (and hashes) every file inside it by its relative path,
+    and a bundle whose package holds a file the manifest does not list is refused.
+    """
+
+    file: str  # "<stage>.mlpackage"
+    inputs: tuple[str, ...]  # coreml_inputs(): input_ids int32 [1,T] | hidden_in fp16 [1,T,hidden], kv_len int32 [1]
+    outputs: tuple[str, ...]  # coreml_outputs(): logits [1,T,vocab] | hidden_out, new_key_i, new_value_i [1,KVH,T,D]
+    states: tuple[str, ...]  # coreml_state_names(): the KV buffers, written at kv_len, masked by kv_len
+    block_lengths: tuple[int, ...]  # the enumerated T (decode 1, verify γ+1, prefill chunk)
+    state_length: int  # KV rows per state, a multiple of COREML_STATE_MULTIPLE; 0 without layers
+    compression: str  # COREML_COMPRESSIONS: weights; activations and KV are fp16
+    compute_precision: str = "float16"
+    minimum_deployment_target: str = "iOS18"
+
+
 @dataclass(frozen=True)
 class TokenizerInfo:
     file: str
@@ -94,6 +142,7 @@ class Manifest:
     files: dict[str, str]  # relative path -> SHA-256
     created_by: str = ""
     default_draft: str | None = None
+    coreml: dict[str, CoreMLPackageInfo] = field(default_factory=dict)  # stage key -> package
 
     @property
     def target(self) -> ModelInfo:
@@ -156,8 +205,14 @@ def manifest_from_dict(data: dict[str, Any]) -> Manifest:
     tok = dict(_object(data.get("tokenizer", {}), "tokenizer"))
     tok["eos_token_ids"] = tuple(tok.get("eos_token_ids", ()))
     tokenizer = _build(TokenizerInfo, tok, "tokenizer")
-    rest = {k: v for k, v in data.items() if k not in ("stages", "models", "tokenizer")}
-    return _build(Manifest, dict(rest, stages=stages, models=models, tokenizer=tokenizer), "top level")
+    coreml = {}
+    for key, raw in _object(data.get("coreml", {}), "coreml").items():
+        raw = dict(_object(raw, f"Core ML package {key!r}"))
+        for tuple_field in ("inputs", "outputs", "states", "block_lengths"):
+            raw[tuple_field] = tuple(raw.get(tuple_field, ()))
+        coreml[key] = _build(CoreMLPackageInfo, raw, f"Core ML package {key!r}")
+    rest = {k: v for k, v in data.items() if k not in ("stages", "models", "tokenizer", "coreml")}
+    return _build(Manifest, dict(rest, stages=stages, models=models, tokenizer=tokenizer, coreml=coreml), "top level")
 
 
 def validate(manifest: Manifest, bundle_dir: Path, check_hashes: bool = True) -> None:
@@ -196,6 +251,7 @@ def validate(manifest: Manifest, bundle_dir: Path, check_hashes: bool = True) ->
         owner = manifest.models.get(model.shares_kv_with or role)
         if model.stages[0] != owner.stages[0] or model.stages[-1] != owner.stages[-1]:
             raise BundleError(f"model {role!r} must run {model.shares_kv_with!r}'s first and last stages")
+    _validate_coreml(manifest)
     _validate_files(manifest, bundle_dir, check_hashes)
 
 
@@ -220,11 +276,57 @@ def _validate_stages(manifest: Manifest, role: str, model: ModelInfo) -> None:
         raise BundleError(f"model {role!r}: stages run {next_layer} layers, arch says {model.arch.n_layers}")
 
 
+def _validate_coreml(manifest: Manifest) -> None:
+    """A stage's `file` may be "" (a --format coreml bundle ships no ONNX graph) only when a Core
+    ML package stands in for it; packages, when present, cover every stage."""
+    for key, stage in manifest.stages.items():
+        if key not in manifest.coreml and not stage.file:
+            raise BundleError(f"stage {key!r} has neither an ONNX graph nor a Core ML package; re-export the bundle")
+        if key not in manifest.coreml and manifest.coreml:
+            raise BundleError(f"stage {key!r} has no Core ML package while other stages have one; re-export the bundle")
+    for key, package in manifest.coreml.items():
+        stage = manifest.stages.get(key)
+        if stage is None:
+            raise BundleError(f"Core ML package {key!r} is for a stage the manifest does not list")
+        where = f"Core ML package {key!r}"
+        if not package.file.endswith(".mlpackage") or Path(package.file).name != package.file:
+            raise BundleError(f"{where}: file {package.file!r} must be an .mlpackage folder at the top of the bundle")
+        expected = (coreml_inputs(stage.embed, stage.layers), coreml_outputs(stage.head, stage.layers), coreml_state_names(stage.layers))
+        if (list(package.inputs), list(package.outputs), list(package.states)) != expected:
+            raise BundleError(f"{where}: inputs/outputs/states do not follow the Core ML names for its stage")
+        lengths = package.block_lengths
+        if not lengths or lengths[0] != 1 or any(b <= a for a, b in zip(lengths, lengths[1:])):
+            raise BundleError(f"{where}: block lengths {list(lengths)} must rise from 1 (every block then splits into them exactly)")
+        if package.compression not in COREML_COMPRESSIONS or package.compute_precision != "float16":
+            raise BundleError(f"{where}: unknown compression {package.compression!r} or precision {package.compute_precision!r}")
+        for role, model in manifest.models.items():
+            if key in model.stages and stage.layers and package.state_length != model.arch.max_context:
+                raise BundleError(f"{where}: KV states hold {package.state_length} rows, model {role!r} has max context {model.arch.max_context}")
+        if package.state_length % COREML_STATE_MULTIPLE or (package.state_length == 0) != (not stage.layers):
+            raise BundleError(f"{where}: state length {package.state_length} is not a positive multiple of {COREML_STATE_MULTIPLE}")
+
+
+def package_files(bundle_dir: Path, package: str) -> list[str]:
+    """Every file inside an .mlpackage folder, as sorted bundle-relative POSIX paths: the
+    manifest hashes these one by one, like any other bundle file."""
+    root = Path(bundle_dir) / package
+    return sorted(p.relative_to(bundle_dir).as_posix() for p in root.rglob("*") if p.is_file())
+
+
 def _validate_files(manifest: Manifest, bundle_dir: Path, check_hashes: bool) -> None:
     referenced = {manifest.tokenizer.file}
     for stage in manifest.stages.values():
-        referenced.add(stage.file)
+        if stage.file:
+            referenced.add(stage.file)
         referenced.update(stage.data_files)
+    for package in manifest.coreml.values():
+        listed = {rel for rel in manifest.files if rel.startswith(package.file + "/")}
+        if not listed:
+            referenced.add(package.file)
+        elif (bundle_dir / package.file).is_dir():
+            extra = sorted(set(package_files(bundle_dir, package.file)) - listed)
+            if extra:
+                raise BundleError(f"Core ML package {package.file} holds files the manifest does not list: {extra} (re-export the bundle)")
     unlisted = referenced - set(manifest.files)
     if unlisted:
         raise BundleError(f"manifest lists no hash for {sorted(unlisted)}")

@@ -1,8 +1,9 @@
-"""python -m export MODEL --out DIR [--quant ...] [--max-context N] [--draft D ...]"""
+"""python -m export MODEL --out DIR [--quant ...] [--max-context N] [--draft D ...] [--memory-budget SIZE]"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -10,6 +11,19 @@ from pathlib import Path
 
 from edge_spec.catalog import CATALOG
 from edge_spec.manifest import QUANTS
+
+
+def _memory_size(text: str) -> int:
+    from edge_spec.budget import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _default_out(model: str, quant: str) -> Path:
+    return Path("bundles") / f"{Path(model).name.removesuffix('.gguf')}-{quant}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,17 +42,44 @@ def main(argv: list[str] | None = None) -> int:
         "(default: the catalog's draft for MODEL)",
     )
     parser.add_argument("--force", action="store_true", help="replace an existing bundle folder")
+    parser.add_argument(
+        "--format",
+        default="onnx",
+        help="what to write, comma-separated: onnx (stage graphs), coreml (stateful fp16 .mlpackage for the Apple "
+        "Neural Engine; --max-context a multiple of 32) (default: onnx)",
+    )
+    parser.add_argument(
+        "--memory-budget", type=_memory_size, metavar="SIZE",
+        help="fit the bundle's memory plan into SIZE (3GB, 512MiB, bytes): shorten --max-context (halving, not below "
+        "512), then drop the draft model (layer-skip or prompt lookup draft instead), then lower --quant",
+    )
     parser.add_argument("--json", action="store_true", help="print the final summary as one JSON object")
     args = parser.parse_args(argv)
 
     from export.archs import UnsupportedArchitecture
-    from export.bundle import ExportConfig, ExportError, default_drafts, export_bundle
+    from export.bundle import FORMATS, ExportConfig, ExportError, default_drafts, export_bundle
     from export.sources import SourceError
 
     drafts = tuple(args.draft) if args.draft else default_drafts(args.model)
     drafts = tuple(d for d in drafts if d != "none")
-    out = args.out or Path("bundles") / f"{Path(args.model).name.removesuffix('.gguf')}-{args.quant}"
-    config = ExportConfig(args.model, out, args.quant, args.max_context, drafts, args.force)
+    out = args.out or _default_out(args.model, args.quant)
+    formats = tuple(dict.fromkeys(f.strip() for f in args.format.split(",") if f.strip()))
+    if not formats or set(formats) - set(FORMATS):
+        parser.error(f"--format {args.format!r}: choose one or more of {', '.join(FORMATS)}, comma-separated")
+    config = ExportConfig(args.model, out, args.quant, args.max_context, drafts, args.force, formats=formats)
+    choice = None
+    if args.memory_budget is not None:
+        from edge_spec.budget import BudgetError
+        from export.bundle import choose_for_budget
+
+        try:
+            choice = choose_for_budget(config, args.memory_budget)
+        except (BudgetError, ExportError, SourceError, UnsupportedArchitecture) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(choice.summary(), file=sys.stderr)
+        out = args.out or _default_out(args.model, choice.quant)
+        config = dataclasses.replace(config, out=out, quant=choice.quant, max_context=choice.max_context, drafts=choice.drafts)
     began = time.perf_counter()
     try:
         manifest = export_bundle(config)
@@ -49,10 +90,13 @@ def main(argv: list[str] | None = None) -> int:
     sizes = {f: (out / f).stat().st_size for f in manifest.files}
     if args.json:
         roles = {role: {"layers": m.arch.n_layers, "stages": list(m.stages), "source": m.source} for role, m in manifest.models.items()}
-        print(json.dumps({"bundle": str(out), "quant": args.quant, "max_context": args.max_context, "roles": roles, "bytes": sizes, "seconds": seconds}))
+        summary = {"bundle": str(out), "quant": config.quant, "max_context": config.max_context, "roles": roles, "bytes": sizes, "seconds": seconds}
+        if choice is not None:
+            summary["memory"] = {"changes": list(choice.changes), "plan": choice.plan.to_dict()}
+        print(json.dumps(summary))
         return 0
     roles = ", ".join(f"{role} ({m.arch.n_layers} layers)" for role, m in manifest.models.items())
-    print(f"{out}: {roles}; {args.quant}; {sum(sizes.values()) / 2**20:.0f} MiB; max context {args.max_context}; {seconds:.0f} s")
+    print(f"{out}: {roles}; {config.quant}; {sum(sizes.values()) / 2**20:.0f} MiB; max context {config.max_context}; {seconds:.0f} s")
     return 0
 
 

@@ -14,13 +14,15 @@ from typing import Callable
 
 from edge_spec import manifest as mf
 from edge_spec import names
+from edge_spec.budget import ExportChoice, ModelFacts, choose_export
 from edge_spec.catalog import CATALOG
 from export.archs import arch_for
 from export.onnx_graphs import export_stage
 from export.quantize import quantize_file, save
-from export.sources import Checkpoint, load_checkpoint
+from export.sources import Checkpoint, SourceError, candidate_sources, load_checkpoint
 
 LAYER_SKIP_PREFIX = "layer-skip:"
+FORMATS = ("onnx", "coreml")  # ONNX stage graphs; Core ML packages for the Apple Neural Engine
 
 
 class ExportError(Exception):
@@ -35,11 +37,44 @@ class ExportConfig:
     max_context: int = 2048
     drafts: tuple[str, ...] = ()  # same-tokenizer models and/or "layer-skip:N"; () = none
     force: bool = False  # replace an existing bundle folder
+    formats: tuple[str, ...] = ("onnx",)  # FORMATS to write, one or both
 
 
 def default_drafts(model: str) -> tuple[str, ...]:
     entry = CATALOG.get(model)
     return (entry.default_draft,) if entry and entry.default_draft else ()
+
+
+def model_facts(spec: str) -> ModelFacts:
+    """A model's shape from its config alone (no weights), to plan memory before exporting."""
+    from transformers import AutoConfig
+
+    tried = []
+    for source in candidate_sources(spec):
+        kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+        try:
+            config = AutoConfig.from_pretrained(source.path, **kwargs)
+        except (OSError, ValueError) as exc:
+            tried.append(f"{source.description}: {str(exc).splitlines()[0]}")
+            continue
+        arch_for(config)
+        heads = config.num_attention_heads
+        return ModelFacts(
+            config.model_type, config.num_hidden_layers, config.hidden_size, heads, config.num_key_value_heads,
+            getattr(config, "head_dim", None) or config.hidden_size // heads, config.intermediate_size, config.vocab_size,
+            qkv_bias=bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2",
+        )
+    raise SourceError(f"could not read the config of {spec!r} to plan its memory; tried:\n  " + "\n  ".join(tried or ["no source: not a catalog alias, folder, .gguf file or hub id"]))
+
+
+def choose_for_budget(config: ExportConfig, budget: int) -> ExportChoice:
+    """The export (context, drafts, precision) that fits `budget`, by edge_spec.budget's order."""
+    if "onnx" not in config.formats:
+        raise ExportError("--memory-budget plans ONNX Runtime's memory: add onnx to --format")
+    facts = {spec: model_facts(spec) for spec in (config.model, *config.drafts) if not spec.startswith(LAYER_SKIP_PREFIX)}
+    # Configs from before the fused attention kind export portable graphs.
+    attention = getattr(config, "attention", "portable")
+    return choose_export(facts[config.model], config.quant, config.max_context, config.drafts, facts, budget, str(config.out), attention)
 
 
 class Progress:
@@ -66,13 +101,23 @@ def _arch_info(model, max_context: int, vocab_rows: int) -> mf.ArchInfo:
 
 
 def _write_stage(
-    checkpoint: Checkpoint, key: str, layers: range, embed: bool, head: bool, config: ExportConfig, tmp: Path, vocab_rows: int, progress: Progress
+    checkpoint: Checkpoint, key: str, layers: range, embed: bool, head: bool, config: ExportConfig, tmp: Path, vocab_rows: int, progress: Progress,
+    packages: dict[str, mf.CoreMLPackageInfo],
 ) -> mf.StageInfo:
     from export.static_cache import StageModule
 
     model = checkpoint.model
     stage = StageModule(model, layers.start, layers.stop, embed, head, vocab_rows)
     span = f"layers {layers.start}..{layers.stop - 1}" if layers else "no layers"
+    if "coreml" in config.formats:
+        from export.coreml import write_package
+
+        progress(f"{key}: converting {span} to a Core ML package ({config.quant} weights, fp16)")
+        packages[key] = write_package(stage, key, layers, config.max_context, config.quant, tmp, model.config.hidden_size)
+    if "onnx" not in config.formats:
+        # No ONNX graph (file ""): the entry still describes the stage; its Core ML package runs it.
+        inputs, outputs = tuple(names.stage_inputs(embed, head, layers)), tuple(names.stage_outputs(head, layers))
+        return mf.StageInfo("", (), embed, head, layers.start, layers.stop, inputs, outputs)
     progress(f"{key}: tracing {span}{' + embedding' if embed else ''}{' + head' if head else ''}")
     graph = export_stage(stage, layers, config.max_context, model.config.hidden_size)
     file = f"{key}.onnx"
@@ -158,6 +203,15 @@ def export_bundle(config: ExportConfig, log: Callable[[str], None] = _log_stderr
         raise ExportError(f"unknown quantization {config.quant!r}; choose one of {', '.join(mf.QUANTS)}")
     if config.max_context < 16:
         raise ExportError(f"--max-context {config.max_context} is too small (at least 16)")
+    if not config.formats or set(config.formats) - set(FORMATS):
+        raise ExportError(f"unknown format(s) in {','.join(config.formats) or '(none)'}; choose from {', '.join(FORMATS)}")
+    if "coreml" in config.formats:
+        from export.coreml import CoreMLExportError, CoreMLOptions, check_options
+
+        try:
+            check_options(CoreMLOptions(), config.max_context)
+        except CoreMLExportError as exc:
+            raise ExportError(str(exc)) from None
     out = Path(config.out)
     if out.exists() and any(out.iterdir()) and not config.force:
         raise ExportError(f"{out} exists and is not empty; pass --force to replace it")
@@ -212,6 +266,7 @@ def _export_into(config: ExportConfig, tmp: Path, layer_skips, model_drafts, pro
 
     stages: dict[str, mf.StageInfo] = {}
     models: dict[str, mf.ModelInfo] = {}
+    packages: dict[str, mf.CoreMLPackageInfo] = {}
     target_arch = _arch_info(target.model, config.max_context, vocab_rows)
     if layer_skips:
         spec = layer_skips[0][len(LAYER_SKIP_PREFIX) :]
@@ -222,7 +277,7 @@ def _export_into(config: ExportConfig, tmp: Path, layer_skips, model_drafts, pro
         # weight is stored once and the draft writes the trunk's KV rows into the target's cache.
         plan = [("target.trunk", range(0, split), True, False), ("target.rest", range(split, n_layers), False, False), ("target.head", range(0, 0), False, True)]
         for key, layers, embed, head in plan:
-            stages[key] = _write_stage(target, key, layers, embed, head, config, tmp, vocab_rows, progress)
+            stages[key] = _write_stage(target, key, layers, embed, head, config, tmp, vocab_rows, progress, packages)
         models["target"] = mf.ModelInfo(target.source.description, target_arch, config.quant, tuple(k for k, *_ in plan))
         models["layer_skip"] = mf.ModelInfo(
             f"layer skip: first {split} of {n_layers} layers of the target",
@@ -232,19 +287,21 @@ def _export_into(config: ExportConfig, tmp: Path, layer_skips, model_drafts, pro
             shares_kv_with="target",
         )
     else:
-        stages["target"] = _write_stage(target, "target", range(n_layers), True, True, config, tmp, vocab_rows, progress)
+        stages["target"] = _write_stage(target, "target", range(n_layers), True, True, config, tmp, vocab_rows, progress, packages)
         models["target"] = mf.ModelInfo(target.source.description, target_arch, config.quant, ("target",))
     del target
     gc.collect()
     if draft is not None:
         draft_layers = draft.model.config.num_hidden_layers
-        stages["draft"] = _write_stage(draft, "draft", range(draft_layers), True, True, config, tmp, vocab_rows, progress)
+        stages["draft"] = _write_stage(draft, "draft", range(draft_layers), True, True, config, tmp, vocab_rows, progress, packages)
         models["draft"] = mf.ModelInfo(draft.source.description, _arch_info(draft.model, config.max_context, vocab_rows), config.quant, ("draft",))
         del draft
         gc.collect()
 
     progress("hashing files")
     files = {p.name: mf.sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+    # An .mlpackage is a folder: every file inside it is listed and hashed on its own.
+    files.update({rel: mf.sha256_file(tmp / rel) for package in packages.values() for rel in mf.package_files(tmp, package.file)})
     default_draft = "draft" if "draft" in models else ("layer_skip" if "layer_skip" in models else None)
     from edge_spec import __version__
 
@@ -256,6 +313,7 @@ def _export_into(config: ExportConfig, tmp: Path, layer_skips, model_drafts, pro
         files=files,
         created_by=f"edge-spec {__version__}",
         default_draft=default_draft,
+        coreml=packages,
     )
     (tmp / mf.MANIFEST_FILE).write_text(manifest.to_json())
     mf.validate(manifest, tmp, check_hashes=False)

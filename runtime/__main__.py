@@ -1,4 +1,4 @@
-"""python -m runtime generate|audit|bench|serve|chat BUNDLE ...: the command line over runtime.Engine."""
+"""python -m runtime generate|audit|bench|serve|chat|plan BUNDLE ...: the command line over runtime.Engine."""
 
 from __future__ import annotations
 
@@ -7,17 +7,37 @@ import json
 import sys
 
 from runtime.engine import DRAFTERS
+from runtime.sessions import COREML_COMPUTE_UNITS
 
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("bundle", help="bundle folder written by `python -m export`")
-    parser.add_argument("--provider", default="auto", help="auto|cpu|cuda|dml|coreml (default auto)")
+    parser.add_argument("--provider", default="auto", help="auto|cpu|cuda|dml|coreml (default auto: cuda, dml, coreml, cpu, the first available)")
     parser.add_argument("--draft-provider", help="provider for the draft model (default: --provider)")
-    parser.add_argument("--allow-fallback", action="store_true", help="use the CPU when the provider is missing")
+    parser.add_argument("--allow-fallback", action="store_true", help="use the CPU when the provider is missing or fails to start")
+    parser.add_argument("--device-id", type=int, default=0, help="CUDA / DirectML device index (default 0)")
+    parser.add_argument("--coreml-compute-units", default="ALL", choices=COREML_COMPUTE_UNITS, help="where Core ML may run (default ALL)")
+    parser.add_argument("--coreml-static-shapes", action="store_true", help="Core ML EP takes only nodes with static input shapes")
     parser.add_argument("--threads", type=int, default=0, help="intra-op threads (0: ONNX Runtime's default)")
     parser.add_argument("--draft", default="auto", choices=DRAFTERS)
     parser.add_argument("--gamma", default="auto", help="draft length: auto (adaptive) or a number")
     parser.add_argument("--max-gamma", type=int, default=8)
+
+
+def _memory_size(text: str) -> int:
+    from edge_spec.budget import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _memory_budget_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--memory-budget", type=_memory_size, metavar="SIZE",
+        help="refuse, before loading anything, when the memory plan exceeds SIZE (3GB, 512MiB, bytes); see `plan`",
+    )
 
 
 def _prompt_args(parser: argparse.ArgumentParser) -> None:
@@ -40,8 +60,14 @@ def _engine(args):
         gamma=gamma,
         max_gamma=max(args.max_gamma, gamma or 0),
         allow_fallback=args.allow_fallback,
+        device_id=args.device_id,
+        coreml_compute_units=args.coreml_compute_units,
+        coreml_static_shapes=args.coreml_static_shapes,
+        memory_budget=getattr(args, "memory_budget", None),
     )
-    return Engine(args.bundle, config)
+    engine = Engine(args.bundle, config)
+    print(engine.provider_line(), file=sys.stderr, flush=True)
+    return engine
 
 
 def _prompt_ids(engine, args) -> list[int]:
@@ -69,6 +95,7 @@ def cmd_generate(args) -> int:
             "prompt_ids": result.prompt_ids,
             "token_ids": result.token_ids,
             "stop_reason": result.stop_reason,
+            "provider": engine.provider_report(),
             "timings": result.timings,
             "stats": result.stats,
         }))
@@ -115,19 +142,28 @@ def cmd_audit(args) -> int:
 def cmd_bench(args) -> int:
     from pathlib import Path
 
-    from runtime.bench import MODES, load_prompts, run_bench, write_report
+    from runtime.bench import BenchConfig, MicroConfig, load_prompts, render_report, run_bench, run_micro, save_micro, save_results
 
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        print(f"error: unknown mode(s) {unknown} (choose from {', '.join(MODES)})", file=sys.stderr)
-        return 2
-    if "plain" not in modes:
-        modes.insert(0, "plain")
-    gamma = None if args.gamma == "auto" else int(args.gamma)
-    results = run_bench(args.bundle, load_prompts(args.prompts), modes, args.max_new_tokens, args.repeat, args.threads, gamma)
-    write_report(results, Path(args.out))
-    print((Path(args.out) / "report.md").read_text())
+    out = Path(args.out)
+    if args.micro:
+        save_micro(run_micro(args.bundle, MicroConfig(kv_len=args.kv_len, provider=args.provider, threads=args.threads)), out)
+    else:
+        if args.gamma != "auto" and not args.gamma.isdigit():
+            print(f"error: --gamma must be auto or a positive integer, got {args.gamma!r}", file=sys.stderr)
+            return 2
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        if "plain" not in modes:
+            modes.insert(0, "plain")  # every speedup is measured against plain decoding
+        config = BenchConfig(
+            modes=tuple(modes), max_new_tokens=args.max_new_tokens, repeat=args.repeat,
+            gamma=None if args.gamma == "auto" else int(args.gamma), max_gamma=args.max_gamma,
+            provider=args.provider, threads=args.threads,
+        )
+        log = (lambda line: None) if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
+        save_results(run_bench(args.bundle, load_prompts(args.prompts), config, log=log), out)
+    for warning in render_report(out):
+        print(f"warning: {warning}", file=sys.stderr)
+    print((out / "report.md").read_text())
     return 0
 
 
@@ -160,6 +196,16 @@ def cmd_chat(args) -> int:
                     top_k=args.top_k, top_p=args.top_p, seed=args.seed)
 
 
+def cmd_plan(args) -> int:
+    from edge_spec.budget import plan_bundle
+    from runtime.bundle import open_bundle
+
+    bundle = open_bundle(args.bundle, check_hashes=False)
+    plan = plan_bundle(bundle.manifest, bundle.path, args.draft, args.memory_budget, args.max_gamma, args.context)
+    print(json.dumps(plan.to_dict()) if args.json else plan.table())
+    return 0 if plan.fits else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m runtime", description="Run edge-spec bundles.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -171,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    _memory_budget_arg(gen)
     gen.set_defaults(func=cmd_generate)
 
     audit = sub.add_parser("audit", help="check that speculation leaves the output distribution unchanged")
@@ -182,15 +229,21 @@ def main(argv: list[str] | None = None) -> int:
     audit.add_argument("--json", action="store_true")
     audit.set_defaults(func=cmd_audit)
 
-    bench = sub.add_parser("bench", help="decode benchmark of several modes, side by side; writes JSON + Markdown")
+    bench = sub.add_parser("bench", help="decode benchmark of several modes, side by side; writes JSON, Markdown and plots")
     bench.add_argument("bundle")
-    bench.add_argument("--prompts", default="humaneval:20", help="FILE.jsonl or humaneval[:N]")
-    bench.add_argument("--modes", default="plain,model,lookup,layer-skip,auto")
+    bench.add_argument("--prompts", default="humaneval:20", help="FILE.jsonl or humaneval[:N]; several, comma-separated")
+    bench.add_argument("--modes", default="plain,model,lookup,layer-skip,auto", help="comma-separated (plain is always run)")
     bench.add_argument("--max-new-tokens", type=int, default=128)
-    bench.add_argument("--repeat", type=int, default=1)
-    bench.add_argument("--threads", type=int, default=0)
+    bench.add_argument("--repeat", type=int, default=1, help="passes over all prompts, interleaved")
     bench.add_argument("--gamma", default="auto", help="auto (adaptive) or a fixed draft length")
-    bench.add_argument("--out", required=True)
+    bench.add_argument("--max-gamma", type=int, default=8)
+    bench.add_argument("--provider", default="auto", help="auto|cpu|cuda|dml|coreml (default auto)")
+    bench.add_argument("--threads", type=int, default=0)
+    bench.add_argument("--micro", action="store_true",
+                       help="time single passes instead: target T=1..16, one draft step per role, memory-bandwidth floor")
+    bench.add_argument("--kv-len", type=int, default=512, help="--micro: rows already in the KV cache (default 512)")
+    bench.add_argument("--quiet", action="store_true", help="no progress line per run on stderr")
+    bench.add_argument("--out", required=True, help="folder for results.json / micro.json, report.md and PNGs")
     bench.set_defaults(func=cmd_bench)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
@@ -203,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--queue-timeout", type=float, default=300.0, help="seconds a request may wait before a 503 (0: no limit)")
     serve.add_argument("--model-name", help="model id clients use (default: the bundle folder's name)")
     serve.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+    _memory_budget_arg(serve)
     serve.set_defaults(func=cmd_serve)
 
     chat = sub.add_parser("chat", help="chat in the terminal, with the bundle's chat template and history")
@@ -214,6 +268,15 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument("--top-p", type=float, default=1.0)
     chat.add_argument("--seed", type=int)
     chat.set_defaults(func=cmd_chat)
+
+    plan = sub.add_parser("plan", help="memory plan of a bundle, part by part; exits 1 when it exceeds --memory-budget")
+    plan.add_argument("bundle")
+    plan.add_argument("--draft", default="auto", choices=DRAFTERS, help="the drafter to plan for (its roles are loaded)")
+    plan.add_argument("--max-gamma", type=int, default=8, help="longest draft: verify blocks take max-gamma+1 tokens")
+    plan.add_argument("--context", type=int, help="plan for this many tokens in use (default: the full max context)")
+    _memory_budget_arg(plan)
+    plan.add_argument("--json", action="store_true", help="one JSON object: parts, total_bytes, budget_bytes, fits")
+    plan.set_defaults(func=cmd_plan)
 
     args = parser.parse_args(argv)
     from edge_spec.manifest import BundleError

@@ -16,6 +16,7 @@ from typing import Iterator
 
 import numpy as np
 
+from edge_spec.budget import plan_bundle
 from edge_spec.manifest import BundleError
 from edge_spec.sampling import SamplingConfig
 from runtime.bundle import open_bundle
@@ -28,7 +29,7 @@ from runtime.gamma import CostModel, GammaConfig, GammaController
 from runtime.kv_cache import KVCache
 from runtime.loop import Step, decode_steps
 from runtime.model import ModelRunner
-from runtime.sessions import SessionConfig, make_session, resolve_provider
+from runtime.sessions import ProviderChoice, SessionConfig, open_session, resolve_provider
 from runtime.tokenizer import BundleTokenizer, StreamDecoder
 
 DRAFTERS = ("auto", "model", "layer-skip", "lookup", "none")
@@ -42,6 +43,9 @@ class PromptTooLongError(ValueError):
 class EngineConfig:
     provider: str = "auto"
     draft_provider: str | None = None  # None: same as provider
+    device_id: int = 0  # CUDA / DirectML adapter, for every role on a GPU provider
+    coreml_compute_units: str = "ALL"  # ALL | CPUAndNeuralEngine | CPUAndGPU | CPUOnly
+    coreml_static_shapes: bool = False
     threads: int = 0
     drafter: str = "auto"  # auto: copy when the text repeats, else the bundle's default draft
     gamma: int | None = None  # None: adaptive
@@ -49,6 +53,7 @@ class EngineConfig:
     allow_fallback: bool = False
     check_hashes: bool = True
     calibrate: bool = True  # time target and draft passes at load, to seed the cost model
+    memory_budget: int | None = None  # bytes: refuse, before loading, a plan (edge_spec.budget) that exceeds it
 
 
 @dataclass(frozen=True)
@@ -81,12 +86,18 @@ class Engine:
         self.config = config
         self.bundle = open_bundle(bundle_path, check_hashes=config.check_hashes)
         manifest = self.bundle.manifest
-        self.provider = resolve_provider(config.provider, config.allow_fallback)
-        self.draft_provider = resolve_provider(config.draft_provider or config.provider, config.allow_fallback)
+        if config.memory_budget is not None:
+            plan_bundle(manifest, self.bundle.path, config.drafter, config.memory_budget, config.max_gamma).check()
+        # Per role group: "target" (target and layer-skip, which share sessions) and "draft".
+        self.provider_choices: dict[str, ProviderChoice] = {
+            "target": resolve_provider(config.provider, config.allow_fallback),
+            "draft": resolve_provider(config.draft_provider or config.provider, config.allow_fallback),
+        }
+        self._session_config(self.provider_choices["target"])  # bad provider options fail before loading
         self.tokenizer = BundleTokenizer(self.bundle.file(manifest.tokenizer.file), manifest.tokenizer)
         self._sessions: dict[str, object] = {}
         self._caches: dict[str, KVCache] = {}
-        self.target = self._runner("target", self.provider)
+        self.target = self._runner("target")
         self.drafter = self._make_drafter(config.drafter)
         self._drafters = {config.drafter: self.drafter}
         self.costs = CostModel()
@@ -96,16 +107,42 @@ class Engine:
 
     # -- loading ---------------------------------------------------------------------------
 
-    def _runner(self, role: str, provider: str) -> ModelRunner:
+    @property
+    def provider(self) -> str:
+        return self.provider_choices["target"].provider
+
+    @property
+    def draft_provider(self) -> str:
+        return self.provider_choices["draft"].provider
+
+    def provider_report(self) -> dict:
+        """Per role group: the provider that runs, what was asked for, and why they differ."""
+        return {group: choice.to_dict() for group, choice in self.provider_choices.items()}
+
+    def provider_line(self) -> str:
+        target, draft = self.provider_choices["target"], self.provider_choices["draft"]
+        line = f"provider: {target.describe()}"
+        return line if draft == target else f"{line}; draft provider: {draft.describe()}"
+
+    def _session_config(self, choice: ProviderChoice) -> SessionConfig:
+        c = self.config
+        # auto means the best provider that works: one that fails to start gives way to the CPU.
+        allow_fallback = c.allow_fallback or choice.requested == "auto"
+        return SessionConfig(choice.provider, c.threads, allow_fallback, c.device_id, c.coreml_compute_units, c.coreml_static_shapes)
+
+    def _runner(self, role: str, group: str = "target") -> ModelRunner:
         manifest = self.bundle.manifest
         self.bundle.require_role(role)
         info = manifest.models[role]
         stages = [manifest.stages[key] for key in info.stages]
         sessions = []
-        session_config = SessionConfig(provider, self.config.threads, self.config.allow_fallback)
         for key, stage in zip(info.stages, stages):
             if key not in self._sessions:
-                self._sessions[key] = make_session(self.bundle.file(stage.file), provider, session_config)
+                choice = self.provider_choices[group]
+                session, reason = open_session(self.bundle.file(stage.file), choice.provider, self._session_config(choice))
+                if reason:  # later stages of the group go straight to the CPU
+                    self.provider_choices[group] = dataclasses.replace(choice, provider="cpu", fallback_from=choice.provider, reason=reason)
+                self._sessions[key] = session
             sessions.append(self._sessions[key])
         owner = info.shares_kv_with or role
         if owner not in self._caches:
@@ -121,8 +158,8 @@ class Engine:
         if role not in models:
             self.bundle.require_role(role)
         if role == "layer_skip":
-            return LayerSkipDrafter(self._runner("layer_skip", self.provider))
-        return DraftModelDrafter(self._runner(role, self.draft_provider))
+            return LayerSkipDrafter(self._runner("layer_skip"))
+        return DraftModelDrafter(self._runner(role, group="draft"))
 
     def _make_drafter(self, kind: str) -> Drafter | None:
         if kind == "none":

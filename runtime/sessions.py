@@ -1,20 +1,63 @@
-"""ONNX Runtime sessions: provider choice and session options, one session per stage graph."""
+"""ONNX Runtime sessions: provider choice and session options, one session per stage graph.
+
+Providers are chosen per role group: the target (and the layer-skip draft, which runs the
+target's own sessions) on one, the draft model on another (`--draft-provider`), because the
+best place for a small draft is not always the target's.
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
-import onnxruntime as ort
+try:
+    import onnxruntime as ort
+except ImportError as exc:
+    if exc.name != "onnxruntime":  # installed but broken (a missing shared library): keep ORT's own message
+        raise
+    raise ImportError(
+        "edge-spec's runtime needs ONNX Runtime and no onnxruntime package is installed; install exactly one: "
+        'pip install "edge-spec[cpu]" (onnxruntime: CPU everywhere, Core ML on macOS), '
+        'pip install "edge-spec[cuda]" (onnxruntime-gpu: NVIDIA GPUs, Linux and Windows), or '
+        'pip install "edge-spec[directml]" (onnxruntime-directml: DirectX 12 GPUs, Windows)'
+    ) from None
 
-# What each --provider value means, and the package that brings it.
+
+@dataclass(frozen=True)
+class Provider:
+    key: str  # the --provider value
+    ort_name: str  # ONNX Runtime's execution provider name
+    install: str  # what brings it, for the error when it is missing
+    device_type: str  # where its inputs and outputs live: an OrtValue device_type
+
+
 PROVIDERS = {
-    "cpu": ("CPUExecutionProvider", "onnxruntime"),
-    "cuda": ("CUDAExecutionProvider", "onnxruntime-gpu in place of onnxruntime"),
-    "dml": ("DmlExecutionProvider", "onnxruntime-directml in place of onnxruntime, on Windows"),
-    "coreml": ("CoreMLExecutionProvider", "onnxruntime on macOS"),
+    "cpu": Provider("cpu", "CPUExecutionProvider", 'onnxruntime (pip install "edge-spec[cpu]")', "cpu"),
+    "cuda": Provider(
+        "cuda", "CUDAExecutionProvider",
+        'onnxruntime-gpu in place of onnxruntime (pip uninstall onnxruntime, then pip install "edge-spec[cuda]"; '
+        "it needs the CUDA and cuDNN versions its release names)",
+        "cuda",
+    ),
+    "dml": Provider(
+        "dml", "DmlExecutionProvider",
+        'onnxruntime-directml in place of onnxruntime, on Windows (pip uninstall onnxruntime, then pip install "edge-spec[directml]")',
+        "dml",
+    ),
+    # The Core ML EP reads and writes CPU memory: Core ML moves data to the GPU/ANE itself.
+    "coreml": Provider(
+        "coreml", "CoreMLExecutionProvider",
+        'onnxruntime on macOS, whose wheels include the Core ML EP (pip install "edge-spec[cpu]" on a Mac)',
+        "cpu",
+    ),
 }
+# auto: a discrete NVIDIA GPU first, then any DirectX 12 GPU (Windows), then Core ML (Apple
+# GPU/Neural Engine), then the CPU, which every build has.
 AUTO_ORDER = ("cuda", "dml", "coreml", "cpu")
+COREML_COMPUTE_UNITS = ("ALL", "CPUAndNeuralEngine", "CPUAndGPU", "CPUOnly")
+# Distributions that install the `onnxruntime` module; only one may be installed at a time.
+ORT_DISTRIBUTIONS = ("onnxruntime", "onnxruntime-gpu", "onnxruntime-directml", "onnxruntime-openvino", "onnxruntime-qnn")
 
 
 class ProviderError(Exception):
@@ -26,30 +69,112 @@ class SessionConfig:
     provider: str = "auto"
     threads: int = 0  # 0: one per physical core, as ONNX Runtime chooses by default
     allow_fallback: bool = False
+    device_id: int = 0  # CUDA / DirectML adapter index
+    coreml_compute_units: str = "ALL"
+    # RequireStaticInputShapes: the block (T) and logit (N) axes of bundle graphs are dynamic,
+    # so with it the Core ML EP takes only the nodes whose inputs are all static (few).
+    coreml_static_shapes: bool = False
+
+    def __post_init__(self):
+        if self.device_id < 0:
+            raise ValueError(f"device id must be 0 or more, got {self.device_id}")
+        if self.coreml_compute_units not in COREML_COMPUTE_UNITS:
+            raise ValueError(
+                f"unknown Core ML compute units {self.coreml_compute_units!r} (choose from {', '.join(COREML_COMPUTE_UNITS)})"
+            )
 
 
-def resolve_provider(name: str, allow_fallback: bool = False) -> str:
+@dataclass(frozen=True)
+class ProviderChoice:
+    """What a role group runs on, what was asked for, and why they differ."""
+
+    provider: str  # the key that runs: cpu | cuda | dml | coreml
+    requested: str  # auto or a key
+    available: tuple[str, ...]  # ONNX Runtime provider names this build lists
+    fallback_from: str | None = None  # the key that could not be used
+    reason: str = ""  # why it could not
+
+    def describe(self) -> str:
+        if self.fallback_from:
+            how = f"fell back from {self.fallback_from}: {self.reason}"
+        elif self.requested == "auto":
+            how = "auto"
+        else:
+            how = "requested"
+        return f"{self.provider} ({how}; available: {', '.join(self.available)})"
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "available": list(self.available)}
+
+
+class Device(NamedTuple):
+    """Where a provider's inputs live, as OrtValue.ortvalue_from_numpy(array, type, id) and
+    IOBinding.bind_output(name, type, id) take it: KV kept there needs no copy per pass."""
+
+    type: str  # cpu | cuda | dml
+    id: int
+
+
+def installed_runtimes() -> list[str]:
+    """The ONNX Runtime distributions installed, as 'name version'."""
+    from importlib import metadata
+
+    found = []
+    for name in ORT_DISTRIBUTIONS:
+        try:
+            found.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def _installed_note() -> str:
+    found = installed_runtimes()
+    note = f"installed: {', '.join(found) or 'no onnxruntime distribution found'}"
+    if len(found) > 1:
+        note += " (these overwrite each other's onnxruntime module: uninstall all of them, then install one)"
+    return note
+
+
+def resolve_provider(name: str, allow_fallback: bool = False) -> ProviderChoice:
     """Map a --provider value to an available ONNX Runtime provider, or say what is missing."""
-    available = ort.get_available_providers()
+    available = tuple(ort.get_available_providers())
     if name == "auto":
-        for key in AUTO_ORDER:
-            if PROVIDERS[key][0] in available:
-                return key
+        key = next(key for key in AUTO_ORDER if PROVIDERS[key].ort_name in available or key == "cpu")
+        return ProviderChoice(key, "auto", available)
     if name not in PROVIDERS:
         raise ProviderError(f"unknown provider {name!r} (auto, {', '.join(PROVIDERS)})")
-    if PROVIDERS[name][0] in available:
-        return name
+    spec = PROVIDERS[name]
+    if spec.ort_name in available:
+        return ProviderChoice(name, name, available)
     if allow_fallback:
-        return "cpu"
+        return ProviderChoice("cpu", name, available, name, f"{spec.ort_name} is not in this ONNX Runtime build")
     raise ProviderError(
-        f"provider {name!r} ({PROVIDERS[name][0]}) is not available in this onnxruntime build "
-        f"(available: {', '.join(available)}); install {PROVIDERS[name][1]}, or pass --allow-fallback"
+        f"provider {name!r} ({spec.ort_name}) is not available in this ONNX Runtime build "
+        f"({_installed_note()}; available: {', '.join(available)}); install {spec.install}, "
+        "or pass --allow-fallback to run on the CPU"
     )
 
 
-def make_session(path, provider: str, config: SessionConfig) -> ort.InferenceSession:
+def provider_options(provider: str, config: SessionConfig) -> dict[str, str]:
+    """The options each execution provider's documentation asks for, as ORT's strings."""
+    if provider in ("cuda", "dml"):
+        return {"device_id": str(config.device_id)}
+    if provider == "coreml":
+        return {
+            # ML Program: the newer Core ML format, with more operators and fp32 compute; the
+            # older NeuralNetwork format is the EP's default.
+            "ModelFormat": "MLProgram",
+            "MLComputeUnits": config.coreml_compute_units,
+            "RequireStaticInputShapes": "1" if config.coreml_static_shapes else "0",
+        }
+    return {}
+
+
+def session_options(provider: str, config: SessionConfig) -> ort.SessionOptions:
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    # DirectML requires sequential execution; it is ORT's default for the other providers too.
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.log_severity_level = 3
     if config.threads:
@@ -57,15 +182,76 @@ def make_session(path, provider: str, config: SessionConfig) -> ort.InferenceSes
     # Stages and roles run one after another on the same cores: a pool that spins after its
     # run steals them from the next session (measured 7.7 -> 12.6 tok/s, Qwen 1.5B int4, 2 cores).
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    # Static KV: inputs keep their shapes, so ORT's memory-pattern planner helps on CPU.
+    # Static KV: inputs keep their shapes, so ORT's memory-pattern planner helps on CPU; the
+    # DirectML EP does not support memory patterns and fails session creation with them on.
     options.enable_mem_pattern = provider != "dml"
-    providers = [PROVIDERS[provider][0]]
-    if provider != "cpu":
-        providers.append("CPUExecutionProvider")
-    try:
-        return ort.InferenceSession(os.fspath(path), sess_options=options, providers=providers)
-    except Exception as exc:  # ORT raises its own pybind types; name the file and the cause
-        from edge_spec.manifest import BundleError
+    return options
 
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise BundleError(f"ONNX Runtime cannot load {path}: {first_line}") from None
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _create(path, provider: str, config: SessionConfig) -> ort.InferenceSession:
+    providers, options = [PROVIDERS[provider].ort_name], [provider_options(provider, config)]
+    if provider != "cpu":  # nodes the accelerator's EP does not take run on the CPU
+        providers.append("CPUExecutionProvider")
+        options.append({})
+    # enable_fallback=0: ORT's own fallback prints to stdout and retries silently; fallback is
+    # decided here, where --allow-fallback is known and the choice is reported.
+    return ort.InferenceSession(
+        os.fspath(path), sess_options=session_options(provider, config), providers=providers,
+        provider_options=options, enable_fallback=0,
+    )
+
+
+def open_session(path, provider: str, config: SessionConfig) -> tuple[ort.InferenceSession, str | None]:
+    """Open one stage graph on `provider`; returns the session and, when the provider's EP
+    failed to start and config.allow_fallback let the CPU take over, the reason."""
+    from edge_spec.manifest import BundleError
+
+    try:
+        session = _create(path, provider, config)
+    except Exception as exc:  # ORT raises its own pybind types; name the file and the cause
+        if provider == "cpu":
+            raise BundleError(f"ONNX Runtime cannot load {path}: {_first_line(exc)}") from None
+        reason = f"{PROVIDERS[provider].ort_name} failed to start ({_first_line(exc)})"
+        try:  # if the CPU loads the file, the provider failed, not the bundle
+            session = _create(path, "cpu", config)
+        except Exception as cpu_exc:
+            raise BundleError(f"ONNX Runtime cannot load {path}: {_first_line(cpu_exc)}") from None
+    else:
+        if session.get_providers()[0] == PROVIDERS[provider].ort_name:
+            return session, None
+        reason = f"{PROVIDERS[provider].ort_name} did not register"  # the session runs on the CPU alone
+    if config.allow_fallback:
+        return session, reason
+    raise ProviderError(
+        f"provider {provider!r}: {reason} for {os.path.basename(os.fspath(path))} ({_installed_note()}); "
+        "check the requirements ONNX Runtime lists for this provider, or pass --allow-fallback to run on the CPU"
+    )
+
+
+def make_session(path, provider: str, config: SessionConfig) -> ort.InferenceSession:
+    return open_session(path, provider, config)[0]
+
+
+def ort_device(provider: str, device_id: int = 0) -> Device:
+    """The device a provider's tensors live on, for OrtValue buffers and I/O binding."""
+    device_type = PROVIDERS[provider].device_type
+    return Device(device_type, device_id if device_type != "cpu" else 0)
+
+
+def session_provider(session) -> str:
+    """The --provider key of the first execution provider a session registered."""
+    first = session.get_providers()[0]
+    return next((key for key, spec in PROVIDERS.items() if spec.ort_name == first), "cpu")
+
+
+def session_device(session) -> Device:
+    """Where a session's main provider wants inputs: its type and, for GPUs, the device id
+    the session was created with."""
+    provider = session_provider(session)
+    options = session.get_provider_options().get(PROVIDERS[provider].ort_name, {})
+    return ort_device(provider, int(options.get("device_id", 0)))

@@ -1,0 +1,206 @@
+"""`python -m runtime bench` on a tiny bundle: the results schema and its arithmetic, the report
+and plots, prompts-file validation, and the --micro pass timings and bandwidth floor."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runtime.__main__ import main
+from runtime.bench import BenchConfig, PromptsError, load_prompts, run_bench
+
+ROOT = Path(__file__).resolve().parent.parent
+MODES = ("plain", "lookup", "model")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+# Two categories, two prompts each, raw and chat, short enough for the tiny bundle's 64 tokens.
+PROMPTS = [
+    {"id": "story-1", "category": "story", "prompt": "the quick brown fox jumps over the lazy dog and"},
+    {"id": "story-2", "category": "story", "messages": [{"role": "user", "content": "the cat sat on the mat"}]},
+    {"id": "code-1", "category": "code", "prompt": "def print value return self value for x in list"},
+    {"id": "code-2", "category": "code", "messages": [{"role": "user", "content": "import dict class self"}]},
+]
+RUN_FIELDS = {"mode", "category", "prompt_id", "repeat", "tokens_per_s", "prefill_ms", "acceptance_rate", "alpha",
+              "tokens_per_pass", "tokens_per_pass_predicted", "gamma_histogram", "cost_ratio", "target_pass_ms",
+              "speedup", "bound", "bound_fraction", "python_overhead_ms_per_pass", "identical_to_plain"}
+
+
+def _write_prompts(path: Path, items) -> Path:
+    path.write_text("".join((item if isinstance(item, str) else json.dumps(item)) + "\n" for item in items))
+    return path
+
+
+def _valid_png(path: Path) -> None:
+    from matplotlib.image import imread
+
+    assert path.read_bytes()[:8] == PNG_SIGNATURE, path
+    image = imread(path)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100, (path, image.shape)
+
+
+@pytest.fixture(scope="module")
+def bench_out(llama_bundle, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("bench")
+    prompts = _write_prompts(folder / "prompts.jsonl", PROMPTS)
+    out = folder / "out"
+    argv = ["bench", str(llama_bundle), "--prompts", str(prompts), "--modes", ",".join(MODES), "--repeat", "2",
+            "--max-new-tokens", "8", "--gamma", "2", "--threads", "1", "--quiet", "--out", str(out)]
+    assert main(argv) == 0
+    return out
+
+
+def test_results_runs(bench_out):
+    results = json.loads((bench_out / "results.json").read_text())
+    runs = results["runs"]
+    assert sorted((r["mode"], r["prompt_id"], r["repeat"]) for r in runs) == sorted(
+        (m, p["id"], r) for m in MODES for p in PROMPTS for r in range(2))
+    category = {p["id"]: p["category"] for p in PROMPTS}
+    plain = {(r["prompt_id"], r["repeat"]): r for r in runs if r["mode"] == "plain"}
+    for run in runs:
+        assert RUN_FIELDS <= set(run), RUN_FIELDS - set(run)
+        assert run["category"] == category[run["prompt_id"]]
+        assert 1 <= run["new_tokens"] <= 8 and run["tokens_per_s"] > 0 and run["prefill_ms"] > 0
+        # Every round is accounted for: γ histogram and per-γ rounds both sum to the target passes.
+        assert sum(run["gamma_histogram"].values()) == run["target_passes"]
+        assert {g: row["rounds"] for g, row in run["rounds_by_gamma"].items()} == run["gamma_histogram"]
+        assert sum(row["tokens"] for row in run["rounds_by_gamma"].values()) >= run["new_tokens"]
+        assert run["speedup"] == pytest.approx(run["tokens_per_s"] / plain[run["prompt_id"], run["repeat"]]["tokens_per_s"])
+        assert run["identical_to_plain"] is True  # fp32 greedy: speculation changes nothing
+        assert run["ort_ms_per_pass"] > 0 and run["python_overhead_ms_per_pass"] >= 0
+        if run["mode"] == "plain":
+            assert run["gamma_histogram"] == {"0": run["target_passes"]} and run["bound"] == 1.0
+    for run in (r for r in runs if r["mode"] == "model"):
+        # γ fixed at 2: the draft model drafts every round (fewer only at the context's end).
+        assert set(run["gamma_histogram"]) <= {"1", "2"} and run["cost_ratio"] > 0
+        assert 0 <= run["alpha"] <= 1 and run["tokens_per_pass"] >= 1 and run["bound"] > 0
+        assert run["bound_fraction"] == pytest.approx(run["speedup"] / run["bound"])
+        assert "3" in run["target_pass_ms"]
+        # Each round: γ draft forwards, the first over the pending token, plus at most one catch-up
+        # forward; the draft's prompt prefill lies outside the decode window.
+        drafted = sum(int(g) * n for g, n in run["gamma_histogram"].items())
+        assert drafted <= run["draft_model_forwards"] <= drafted + run["target_passes"]
+        assert run["cost_ratio_per_drafted_token"]["model"] >= run["cost_ratio"]
+    assert all(r["draft_model_forwards"] == 0 for r in runs if r["mode"] != "model")
+    assert "1" in results["verify_cost"] and "3" in results["verify_cost"]
+
+
+def test_results_summary(bench_out):
+    results = json.loads((bench_out / "results.json").read_text())
+    runs, summary = results["runs"], results["summary"]
+    assert list(summary) == list(MODES)
+    for mode in MODES:
+        assert sorted(summary[mode]) == ["code", "story"]
+        for category, s in summary[mode].items():
+            rows = [r for r in runs if r["mode"] == mode and r["category"] == category]
+            plain_rows = [r for r in runs if r["mode"] == "plain" and r["category"] == category]
+            assert s["runs"] == 4
+            assert s["tokens_per_s"] == pytest.approx(statistics.median(r["tokens_per_s"] for r in rows))
+            per_prompt = [statistics.median(r["speedup"] for r in rows if r["prompt_id"] == p) for p in {r["prompt_id"] for r in rows}]
+            assert s["speedup"] == pytest.approx(statistics.median(per_prompt))
+            assert s["speedup_ratio_of_medians"] == pytest.approx(
+                statistics.median(r["tokens_per_s"] for r in rows) / statistics.median(r["tokens_per_s"] for r in plain_rows))
+            assert s["tokens_per_s_spread"]["min"] <= s["tokens_per_s"] <= s["tokens_per_s_spread"]["max"]
+    for s in summary["plain"].values():
+        assert s["speedup"] == 1.0 and s["speedup_ratio_of_medians"] == 1.0
+    assert "median over prompts" in results["definitions"]["speedup"]
+
+
+def test_report_and_plots(bench_out):
+    report = (bench_out / "report.md").read_text()
+    for mode in MODES:
+        assert f"| {mode} | code |" in report and f"| {mode} | story |" in report
+    assert "ratio of medians" in report and "Verify cost" in report
+    for name in ("tokens_per_s.png", "alpha_tokens_vs_gamma.png", "verify_cost.png"):
+        _valid_png(bench_out / name)
+        assert f"({name})" in report
+
+
+def test_micro(llama_bundle, bench_out, capsys):
+    assert main(["bench", str(llama_bundle), "--micro", "--threads", "1", "--out", str(bench_out)]) == 0
+    micro = json.loads((bench_out / "micro.json").read_text())
+    assert [row["T"] for row in micro["target_pass"]] == list(range(1, 17))
+    assert all(row["ms_min"] <= row["ms"] <= row["ms_max"] and row["ms"] > 0 for row in micro["target_pass"])
+    assert micro["kv_len"] == 64 - 16 - 1  # 512 asked, clamped to the tiny bundle's context
+    assert set(micro["draft_step"]) == {"draft", "layer_skip"}
+    assert all(row["ms"] > 0 and row["cost_ratio"] > 0 for row in micro["draft_step"].values())
+    manifest = json.loads((llama_bundle / "manifest.json").read_text())
+    stage_files = [f for key in manifest["models"]["target"]["stages"]
+                   for f in [manifest["stages"][key]["file"], *manifest["stages"][key]["data_files"]]]
+    memory = micro["memory"]
+    assert memory["weight_bytes"] == sum((llama_bundle / f).stat().st_size for f in stage_files)
+    assert memory["floor_ms"] > 0 and memory["copy_gb_s"] > 0.1
+    assert memory["gap"] == pytest.approx(micro["target_pass"][0]["ms"] / memory["floor_ms"])
+    # The report of the folder now holds the bench and the micro benchmark.
+    report = (bench_out / "report.md").read_text()
+    assert "Micro benchmark" in report and "| story |" in report and "the floor" in report
+    assert report in capsys.readouterr().out
+    _valid_png(bench_out / "verify_cost.png")
+
+
+@pytest.mark.parametrize("lines, message", [
+    (['{"id": "a", "category": "x", "prompt": "hi"}', '{"id": "b", "category": "x", "prompt": '], "line 2: not valid JSON"),
+    (['{"category": "x", "prompt": "hi"}'], "line 1: missing field 'id'"),
+    (['{"id": "a", "prompt": "hi"}'], "line 1: missing field 'category'"),
+    (['{"id": "a", "category": "x"}'], "line 1: give exactly one of 'prompt' (raw text) or 'messages' (chat), not neither"),
+    (['{"id": "a", "category": "x", "prompt": "hi", "messages": []}'], "not both"),
+    (['{"id": "a", "category": "x", "messages": [{"role": "user"}]}'], "line 1: messages[0] must be an object"),
+    (['{"id": "a", "category": "x", "messages": []}'], "'messages' must be a non-empty list"),
+    (['["a", "x", "hi"]'], "line 1: expected a JSON object"),
+    (['{"id": "a", "category": "", "prompt": "hi"}'], "'category' must be a non-empty string"),
+    (['{"id": "a", "category": "x", "prompt": "hi"}', "", '{"id": "a", "category": "y", "prompt": "ho"}'], "appears twice"),
+    ([""], "has no prompts"),
+])
+def test_prompts_file_errors(tmp_path, lines, message):
+    path = _write_prompts(tmp_path / "p.jsonl", lines)
+    with pytest.raises(PromptsError) as error:
+        load_prompts(str(path))
+    assert message in str(error.value) and str(path) in str(error.value)
+
+
+def test_prompts_specs(tmp_path):
+    with pytest.raises(PromptsError, match="not found"):
+        load_prompts(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(PromptsError, match="positive integer"):
+        load_prompts("humaneval:zero")
+    a = _write_prompts(tmp_path / "a.jsonl", PROMPTS[:2])
+    b = _write_prompts(tmp_path / "b.jsonl", PROMPTS[2:])
+    prompts = load_prompts(f"{a},{b}")
+    assert [p.id for p in prompts] == [p["id"] for p in PROMPTS]
+    assert prompts[0].prompt == PROMPTS[0]["prompt"] and prompts[0].messages is None
+    assert prompts[1].messages == tuple(PROMPTS[1]["messages"]) and prompts[1].prompt is None
+
+
+@pytest.mark.parametrize("name, category", [("edit.jsonl", "edit"), ("prose.jsonl", "prose")])
+def test_shipped_prompt_sets(name, category):
+    prompts = load_prompts(str(ROOT / "benchmarks" / "prompts" / name))
+    assert len(prompts) == 10 and {p.category for p in prompts} == {category}
+    assert all(p.messages and p.messages[-1]["role"] == "user" for p in prompts)
+
+
+def test_cli_prompt_errors(llama_bundle, tmp_path, capsys):
+    bad = _write_prompts(tmp_path / "bad.jsonl", ['{"id": "a", "category": "x"}'])
+    assert main(["bench", str(llama_bundle), "--prompts", str(bad), "--out", str(tmp_path / "out")]) == 2
+    assert "line 1" in capsys.readouterr().err
+    assert main(["bench", str(llama_bundle), "--prompts", str(bad), "--gamma", "two", "--out", str(tmp_path / "out")]) == 2
+    assert "--gamma" in capsys.readouterr().err
+    assert main(["bench", str(llama_bundle), "--prompts", str(bad), "--modes", "plain,copy", "--out", str(tmp_path / "out")]) == 2
+    assert "unknown mode(s) ['copy']" in capsys.readouterr().err
+    long = load_prompts(str(_write_prompts(tmp_path / "long.jsonl", [{"id": "long-one", "category": "x", "prompt": "the cat " * 80}])))
+    with pytest.raises(PromptsError, match="'long-one' has .* max context is 64"):
+        run_bench(llama_bundle, long, BenchConfig(modes=("plain",), max_new_tokens=2))
+    assert not (tmp_path / "out").exists()
+
+
+def test_bench_module_is_light():
+    """The runtime loads bench without matplotlib: plots import it only when drawn."""
+    script = "import sys, runtime.bench, runtime.__main__\nprint('matplotlib' in sys.modules)"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"

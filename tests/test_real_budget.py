@@ -1,0 +1,90 @@
+"""The memory plan of the real Qwen pair against the peak resident memory of `python -m runtime
+generate` (VmHWM of the child, from wait4's ru_maxrss), and refusal under a budget too small.
+
+The prompt fills about half the context (a full one takes minutes to prefill on two cores), so
+the run is compared with the plan for the tokens it used: the KV rows and embedding rows it
+never touched are not backed yet. The budget it runs under is the full-context plan."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import real
+from edge_spec.budget import format_size, plan_bundle
+from edge_spec.manifest import load_manifest
+
+pytestmark = pytest.mark.real_weights
+
+TOLERANCE = 0.10
+PROMPT_TOKENS = 900
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def pair() -> Path:
+    real.need(real.QWEN_TARGET, real.QWEN_DRAFT)
+    return real.bundle("qwen-pair-int4")
+
+
+def _prompt(bundle: Path, n_tokens: int) -> str:
+    """n_tokens of this repository's own code, as text (varied tokens, like a coding prompt)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(bundle / "tokenizer.json"))
+    text = "".join((real.ROOT / f).read_text() for f in ("runtime/engine.py", "runtime/server.py", "runtime/api.py"))
+    return tokenizer.decode(tokenizer.encode(text).ids[:n_tokens])
+
+
+def _generate(bundle: Path, tmp_path: Path, *args) -> tuple[int, int, float, str]:
+    """Run `python -m runtime generate`; returns (exit status, peak RSS bytes, seconds, stderr)."""
+    env = dict(os.environ, PYTHONPATH=str(real.ROOT), TOKENIZERS_PARALLELISM="false")
+    stdout, stderr = tmp_path / "stdout", tmp_path / "stderr"
+    began = time.perf_counter()
+    with open(stdout, "w") as out, open(stderr, "w") as err:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "runtime", "generate", str(bundle), "--provider", "cpu", *map(str, args)],
+            cwd=real.ROOT, env=env, stdout=out, stderr=err,
+        )
+        _, status, usage = os.wait4(child.pid, 0)
+    child.returncode = os.waitstatus_to_exitcode(status)
+    return child.returncode, usage.ru_maxrss * 1024, time.perf_counter() - began, stderr.read_text()
+
+
+def test_plan_matches_peak_resident_memory(pair, tmp_path):
+    manifest = load_manifest(pair, check_hashes=False)
+    full = plan_bundle(manifest, pair, "model")
+    budget = round(full.total_bytes * (1 + TOLERANCE))
+    prompt = _prompt(pair, PROMPT_TOKENS)
+    rc, peak, seconds, stderr = _generate(
+        pair, tmp_path, "--draft", "model", "--prompt", prompt, "--max-new-tokens", NEW_TOKENS, "--memory-budget", budget,
+    )
+    assert rc == 0, stderr
+    from tokenizers import Tokenizer
+
+    used = len(Tokenizer.from_file(str(pair / "tokenizer.json")).encode(prompt).ids) + NEW_TOKENS
+    planned = plan_bundle(manifest, pair, "model", context=used)
+    report = (
+        f"peak RSS {format_size(peak)}; plan at {used} tokens {format_size(planned.total_bytes)} "
+        f"({planned.total_bytes / peak - 1:+.1%}); full-context plan {format_size(full.total_bytes)}, "
+        f"budget {format_size(budget)}; {seconds:.0f} s"
+    )
+    print(report)
+    assert abs(planned.total_bytes - peak) <= TOLERANCE * peak, report
+    assert peak <= budget, report  # a run under the plan (+ tolerance) stays under it
+
+
+def test_too_small_budget_is_refused_quickly(pair, tmp_path):
+    full = plan_bundle(load_manifest(pair, check_hashes=False), pair, "model")
+    rc, peak, seconds, stderr = _generate(pair, tmp_path, "--draft", "model", "--prompt", "def f():", "--memory-budget", full.total_bytes // 2)
+    assert rc == 2, stderr
+    assert stderr.startswith("error: memory budget") and "is too small" in stderr
+    assert "weights target" in stderr and "KV draft" in stderr and "does NOT fit" in stderr
+    # Refused before loading: hashing the files is all it did, and no weights became resident.
+    assert seconds < 60, seconds
+    assert peak < 300 * 2**20, format_size(peak)
