@@ -27,6 +27,13 @@ def main(argv: list[str] | None = None) -> int:
         help="same-tokenizer draft model (alias/id/path), 'layer-skip:N', or 'none'; repeat to add both kinds "
         "(default: the catalog's draft for MODEL)",
     )
+    parser.add_argument(
+        "--attention",
+        default="fused",
+        choices=("fused", "portable"),
+        help="fused: ONNX Runtime's GroupQueryAttention, KV written in place (fastest; desktop ONNX Runtime); "
+        "portable: standard ONNX ops only (Android/NNAPI, other ONNX backends)",
+    )
     parser.add_argument("--force", action="store_true", help="replace an existing bundle folder")
     parser.add_argument("--json", action="store_true", help="print the final summary as one JSON object")
     args = parser.parse_args(argv)
@@ -38,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     drafts = tuple(args.draft) if args.draft else default_drafts(args.model)
     drafts = tuple(d for d in drafts if d != "none")
     out = args.out or Path("bundles") / f"{Path(args.model).name.removesuffix('.gguf')}-{args.quant}"
-    config = ExportConfig(args.model, out, args.quant, args.max_context, drafts, args.force)
+    config = ExportConfig(args.model, out, args.quant, args.max_context, drafts, args.force, args.attention)
     began = time.perf_counter()
     try:
         manifest = export_bundle(config)

@@ -35,6 +35,7 @@ class ExportConfig:
     max_context: int = 2048
     drafts: tuple[str, ...] = ()  # same-tokenizer models and/or "layer-skip:N"; () = none
     force: bool = False  # replace an existing bundle folder
+    attention: str = "fused"  # edge_spec.names.ATTENTION_KINDS: fused for ONNX Runtime, portable for any ONNX backend
 
 
 def default_drafts(model: str) -> tuple[str, ...]:
@@ -71,7 +72,7 @@ def _write_stage(
     from export.static_cache import StageModule
 
     model = checkpoint.model
-    stage = StageModule(model, layers.start, layers.stop, embed, head, vocab_rows)
+    stage = StageModule(model, layers.start, layers.stop, embed, head, vocab_rows, config.attention, config.max_context)
     span = f"layers {layers.start}..{layers.stop - 1}" if layers else "no layers"
     progress(f"{key}: tracing {span}{' + embedding' if embed else ''}{' + head' if head else ''}")
     graph = export_stage(stage, layers, config.max_context, model.config.hidden_size)
@@ -93,7 +94,8 @@ def _write_stage(
         layer_start=layers.start,
         layer_end=layers.stop,
         inputs=tuple(names.stage_inputs(embed, head, layers)),
-        outputs=tuple(names.stage_outputs(head, layers)),
+        outputs=tuple(names.stage_outputs(head, layers, config.attention)),
+        attention=config.attention,
     )
 
 
