@@ -17,7 +17,7 @@ from typing import Any
 
 from edge_spec import names
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: StageInfo.attention (fused graphs write KV in place)
 MANIFEST_FILE = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
 QUANTS = ("int4", "int8", "fp16", "fp32")
@@ -55,6 +55,7 @@ class StageInfo:
     layer_end: int
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+    attention: str = "fused"  # names.ATTENTION_KINDS: how the graph updates the KV buffers
 
     @property
     def layers(self) -> range:
@@ -93,7 +94,8 @@ def coreml_inputs(embed: bool, layers: range) -> list[str]:
 
 
 def coreml_outputs(head: bool, layers: range) -> list[str]:
-    return [coreml_feature(name) for name in names.stage_outputs(head, layers)]
+    """Like a portable graph, a package returns the block's new KV rows (new_key_i ...)."""
+    return [coreml_feature(name) for name in names.stage_outputs(head, layers, "portable")]
 
 
 def coreml_state(kind: str, layer: int) -> str:
@@ -269,7 +271,9 @@ def _validate_stages(manifest: Manifest, role: str, model: ModelInfo) -> None:
             raise BundleError(f"model {role!r}: stage {key!r} starts at layer {stage.layer_start}, expected {next_layer}")
         next_layer = stage.layer_end if stage.layers else next_layer
         expected_in = names.stage_inputs(stage.embed, stage.head, stage.layers)
-        expected_out = names.stage_outputs(stage.head, stage.layers)
+        if stage.attention not in names.ATTENTION_KINDS:
+            raise BundleError(f"stage {key!r}: unknown attention kind {stage.attention!r} (known: {names.ATTENTION_KINDS})")
+        expected_out = names.stage_outputs(stage.head, stage.layers, stage.attention)
         if list(stage.inputs) != expected_in or list(stage.outputs) != expected_out:
             raise BundleError(f"stage {key!r}: graph input/output names do not follow edge_spec.names")
     if next_layer != model.arch.n_layers:

@@ -28,6 +28,22 @@ def new_value(layer: int) -> str:
     return f"new_value.{layer}"
 
 
+def present_key(layer: int) -> str:
+    return f"present_key.{layer}"  # [1, kv_heads, max_context, head_dim]: the past buffer itself, bound in place
+
+
+def present_value(layer: int) -> str:
+    return f"present_value.{layer}"
+
+
+# How a stage's attention reads and writes the KV buffers (StageInfo.attention).
+# "fused": ONNX Runtime's GroupQueryAttention writes the block's rows into the past buffer in
+# place (the runtime binds present_* to the same memory as past_*); needs the com.microsoft ops.
+# "portable": standard ONNX ops only; the graph returns the block's new rows (new_*) and the
+# runtime copies them in (any ONNX Runtime build, including Android/NNAPI and the CoreML EP).
+ATTENTION_KINDS = ("fused", "portable")
+
+
 def stage_inputs(embed: bool, head: bool, layers: range) -> list[str]:
     names = [INPUT_IDS if embed else HIDDEN_IN]
     if layers:
@@ -39,8 +55,9 @@ def stage_inputs(embed: bool, head: bool, layers: range) -> list[str]:
     return names
 
 
-def stage_outputs(head: bool, layers: range) -> list[str]:
+def stage_outputs(head: bool, layers: range, attention: str = "fused") -> list[str]:
     names = [LOGITS if head else HIDDEN_OUT]
+    key, value = (present_key, present_value) if attention == "fused" else (new_key, new_value)
     for layer in layers:
-        names += [new_key(layer), new_value(layer)]
+        names += [key(layer), value(layer)]
     return names

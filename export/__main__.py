@@ -41,6 +41,13 @@ def main(argv: list[str] | None = None) -> int:
         help="same-tokenizer draft model (alias/id/path), 'layer-skip:N', or 'none'; repeat to add both kinds "
         "(default: the catalog's draft for MODEL)",
     )
+    parser.add_argument(
+        "--attention",
+        default="fused",
+        choices=("fused", "portable"),
+        help="fused: ONNX Runtime's GroupQueryAttention, KV written in place (fastest; desktop ONNX Runtime); "
+        "portable: standard ONNX ops only (Android/NNAPI, other ONNX backends)",
+    )
     parser.add_argument("--force", action="store_true", help="replace an existing bundle folder")
     parser.add_argument(
         "--format",
@@ -66,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     formats = tuple(dict.fromkeys(f.strip() for f in args.format.split(",") if f.strip()))
     if not formats or set(formats) - set(FORMATS):
         parser.error(f"--format {args.format!r}: choose one or more of {', '.join(FORMATS)}, comma-separated")
-    config = ExportConfig(args.model, out, args.quant, args.max_context, drafts, args.force, formats=formats)
+    config = ExportConfig(args.model, out, args.quant, args.max_context, drafts, args.force, formats=formats, attention=args.attention)
     choice = None
     if args.memory_budget is not None:
         from edge_spec.budget import BudgetError

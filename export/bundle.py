@@ -38,6 +38,7 @@ class ExportConfig:
     drafts: tuple[str, ...] = ()  # same-tokenizer models and/or "layer-skip:N"; () = none
     force: bool = False  # replace an existing bundle folder
     formats: tuple[str, ...] = ("onnx",)  # FORMATS to write, one or both
+    attention: str = "fused"  # edge_spec.names.ATTENTION_KINDS: fused for ONNX Runtime, portable for any ONNX backend
 
 
 def default_drafts(model: str) -> tuple[str, ...]:
@@ -72,9 +73,7 @@ def choose_for_budget(config: ExportConfig, budget: int) -> ExportChoice:
     if "onnx" not in config.formats:
         raise ExportError("--memory-budget plans ONNX Runtime's memory: add onnx to --format")
     facts = {spec: model_facts(spec) for spec in (config.model, *config.drafts) if not spec.startswith(LAYER_SKIP_PREFIX)}
-    # Configs from before the fused attention kind export portable graphs.
-    attention = getattr(config, "attention", "portable")
-    return choose_export(facts[config.model], config.quant, config.max_context, config.drafts, facts, budget, str(config.out), attention)
+    return choose_export(facts[config.model], config.quant, config.max_context, config.drafts, facts, budget, str(config.out), config.attention)
 
 
 class Progress:
@@ -107,7 +106,7 @@ def _write_stage(
     from export.static_cache import StageModule
 
     model = checkpoint.model
-    stage = StageModule(model, layers.start, layers.stop, embed, head, vocab_rows)
+    stage = StageModule(model, layers.start, layers.stop, embed, head, vocab_rows, config.attention, config.max_context)
     span = f"layers {layers.start}..{layers.stop - 1}" if layers else "no layers"
     if "coreml" in config.formats:
         from export.coreml import write_package
@@ -115,9 +114,10 @@ def _write_stage(
         progress(f"{key}: converting {span} to a Core ML package ({config.quant} weights, fp16)")
         packages[key] = write_package(stage, key, layers, config.max_context, config.quant, tmp, model.config.hidden_size)
     if "onnx" not in config.formats:
-        # No ONNX graph (file ""): the entry still describes the stage; its Core ML package runs it.
-        inputs, outputs = tuple(names.stage_inputs(embed, head, layers)), tuple(names.stage_outputs(head, layers))
-        return mf.StageInfo("", (), embed, head, layers.start, layers.stop, inputs, outputs)
+        # No ONNX graph (file ""): the entry still describes the stage; its Core ML package runs it
+        # and, like a portable graph, returns the block's new KV rows.
+        inputs, outputs = tuple(names.stage_inputs(embed, head, layers)), tuple(names.stage_outputs(head, layers, "portable"))
+        return mf.StageInfo("", (), embed, head, layers.start, layers.stop, inputs, outputs, attention="portable")
     progress(f"{key}: tracing {span}{' + embedding' if embed else ''}{' + head' if head else ''}")
     graph = export_stage(stage, layers, config.max_context, model.config.hidden_size)
     file = f"{key}.onnx"
@@ -138,7 +138,8 @@ def _write_stage(
         layer_start=layers.start,
         layer_end=layers.stop,
         inputs=tuple(names.stage_inputs(embed, head, layers)),
-        outputs=tuple(names.stage_outputs(head, layers)),
+        outputs=tuple(names.stage_outputs(head, layers, config.attention)),
+        attention=config.attention,
     )
 
 

@@ -34,7 +34,7 @@ def export_stage(stage: StageModule, layers: range, max_context: int, hidden_siz
     """Trace one stage and return the ONNX model (weights inline, possibly > 2 GB: save with
     external data)."""
     input_names = names.stage_inputs(stage.embed, stage.head, layers)
-    output_names = names.stage_outputs(stage.head, layers)
+    output_names = names.stage_outputs(stage.head, layers, stage.attention)
     block = 3  # any T > 1 so the exporter keeps T symbolic
     kv_len = 2
     example = {
@@ -66,6 +66,7 @@ def export_stage(stage: StageModule, layers: range, max_context: int, hidden_siz
                 opset_version=20,  # ≥ 18 so reductions take axes as inputs, as the int4 quantizer (opset 21) expects
                 do_constant_folding=True,
                 dynamo=False,
+                custom_opsets={"com.microsoft": 1},
             )
         model = onnx.load(str(path), load_external_data=True)
     got_inputs = [i.name for i in model.graph.input]

@@ -58,7 +58,10 @@ def quantize_file(src: Path, dst: Path, quant: str) -> None:
         from onnxruntime.transformers.float16 import convert_float_to_float16
 
         model = onnx.load(str(src), load_external_data=True)
-        save(convert_float_to_float16(model, keep_io_types=True, disable_shape_infer=True), dst)
+        # GroupQueryAttention stays float32: its past/present must be the float32 graph inputs
+        # themselves (in place), not float16 casts of them.
+        model = convert_float_to_float16(model, keep_io_types=True, disable_shape_infer=True, op_block_list=["GroupQueryAttention"])
+        save(model, dst)
     elif quant == "int4":
         save(_block_quantize(str(src), 4, ("MatMul", "Gather")), dst)
     elif quant == "int8":

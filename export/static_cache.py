@@ -1,15 +1,64 @@
 """The torch module every architecture is exported through: one stage over static KV buffers.
 
 A stage takes a block of T new tokens (or their hidden states) at position kv_len and attends
-in two parts: a masked pass over the fixed-size past buffer (rows < kv_len are valid) and a
-causal pass over the block itself. It returns only the block's new keys and values, never the
-cache, so a decode step copies nothing proportional to the context.
+to the valid rows (< kv_len) of the fixed-size past buffer plus, causally, the block itself.
+Two attention kinds (edge_spec.names.ATTENTION_KINDS), never copying the cache:
+- fused: one ONNX Runtime GroupQueryAttention node per layer (rotary inside), which writes the
+  block's rows into the past buffer in place when the runtime binds present_* to past_*;
+- portable: standard ops, a masked pass over the past buffer and a causal pass over the block,
+  returning only the block's new rows for the runtime to copy in.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+
+class _GroupQueryAttention(torch.autograd.Function):
+    """Traces to com.microsoft GroupQueryAttention; forward computes the same thing in torch.
+
+    q [1,T,H*D], k/v [1,T,KVH*D] before rotary; past [1,KVH,MAX,D]; seqlens_k int32 [1] =
+    kv_len+T-1; total_len int32 scalar = kv_len+T; cos/sin [MAX,D/2]. Returns the attention
+    output [1,T,H*D] and the past buffers with rows kv_len..kv_len+T-1 replaced (present).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, past_key, past_value, seqlens_k, total_len, cos_cache, sin_cache, n_heads, n_kv_heads, scale):
+        block = q.shape[1]
+        head_dim = past_key.shape[-1]
+        kv_len = int(total_len) - block
+        cos = torch.cat([cos_cache, cos_cache], dim=-1)[kv_len : kv_len + block][None, None]  # [1,1,T,D]
+        sin = torch.cat([sin_cache, sin_cache], dim=-1)[kv_len : kv_len + block][None, None]
+        q = q.view(1, block, n_heads, head_dim).transpose(1, 2)  # [1,H,T,D]
+        k = k.view(1, block, n_kv_heads, head_dim).transpose(1, 2)  # [1,KVH,T,D]
+        v = v.view(1, block, n_kv_heads, head_dim).transpose(1, 2)
+        q = q * cos + StageModule._rotate_half(q) * sin
+        k = k * cos + StageModule._rotate_half(k) * sin
+        present_key, present_value = past_key.clone(), past_value.clone()
+        present_key[:, :, kv_len : kv_len + block] = k
+        present_value[:, :, kv_len : kv_len + block] = v
+        group = n_heads // n_kv_heads
+        keys = present_key[:, :, : kv_len + block].repeat_interleave(group, dim=1)  # [1,H,L,D]
+        values = present_value[:, :, : kv_len + block].repeat_interleave(group, dim=1)
+        scores = torch.matmul(q, keys.transpose(2, 3)) * scale  # [1,H,T,L]
+        visible = torch.arange(kv_len + block)[None, :] <= (kv_len + torch.arange(block))[:, None]  # [T,L]
+        probs = torch.softmax(scores.masked_fill(~visible, torch.finfo(scores.dtype).min), dim=-1)
+        out = torch.matmul(probs, values).transpose(1, 2).reshape(1, block, n_heads * head_dim)  # [1,T,H*D]
+        return out, present_key, present_value
+
+    @staticmethod
+    def symbolic(g, q, k, v, past_key, past_value, seqlens_k, total_len, cos_cache, sin_cache, n_heads, n_kv_heads, scale):
+        out, present_key, present_value = g.op(
+            "com.microsoft::GroupQueryAttention",
+            q, k, v, past_key, past_value, seqlens_k, total_len, cos_cache, sin_cache,
+            num_heads_i=n_heads, kv_num_heads_i=n_kv_heads, scale_f=scale, do_rotary_i=1, rotary_interleaved_i=0,
+            outputs=3,
+        )
+        out.setType(q.type())
+        present_key.setType(past_key.type())
+        present_value.setType(past_value.type())
+        return out, present_key, present_value
 
 
 class StageModule(nn.Module):
@@ -20,8 +69,9 @@ class StageModule(nn.Module):
     past is past_key.i, past_value.i for each layer i, each [1, kv_heads, max_context, head_dim].
     """
 
-    def __init__(self, hf_model, layer_start: int, layer_end: int, embed: bool, head: bool, vocab_rows: int):
+    def __init__(self, hf_model, layer_start: int, layer_end: int, embed: bool, head: bool, vocab_rows: int, attention: str = "fused", max_context: int = 2048):
         super().__init__()
+        self.attention = attention
         config = hf_model.config
         inner = hf_model.model
         self.embed, self.head = embed, head
@@ -33,6 +83,10 @@ class StageModule(nn.Module):
         # inv_freq already carries llama3 scaling; attention_scaling is 1.0 for default/llama3.
         self.register_buffer("inv_freq", inner.rotary_emb.inv_freq.detach().float().clone(), persistent=False)
         self.rope_scaling = float(getattr(inner.rotary_emb, "attention_scaling", 1.0))
+        if attention == "fused":
+            angles = torch.arange(max_context, dtype=torch.float32)[:, None] * self.inv_freq[None, :]  # [MAX,D/2]
+            self.register_buffer("cos_cache", angles.cos() * self.rope_scaling, persistent=False)
+            self.register_buffer("sin_cache", angles.sin() * self.rope_scaling, persistent=False)
         if embed:
             self.embed_tokens = inner.embed_tokens
         if head:
@@ -75,11 +129,30 @@ class StageModule(nn.Module):
         out = out.reshape(1, self.n_heads, block, self.head_dim).transpose(1, 2).reshape(1, block, -1)  # [1,T,H*D]
         return attn.o_proj(out), k, v
 
+    def _fused_attention(self, layer, x, seqlens_k, total_len, past_key, past_value):
+        attn = layer.self_attn
+        out, present_key, present_value = _GroupQueryAttention.apply(
+            attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), past_key, past_value, seqlens_k, total_len,
+            self.cos_cache, self.sin_cache, self.n_heads, self.n_kv_heads, self.scale,
+        )
+        return attn.o_proj(out), present_key, present_value
+
     def forward(self, x, kv_len, logit_positions, *past):
         h = self.embed_tokens(x) if self.embed else x  # [1,T,hidden]
         block = h.shape[1]
         new_kv = []
-        if len(self.layers):
+        if len(self.layers) and self.attention == "fused":
+            total = kv_len + block  # [1]
+            seqlens_k = (total - 1).to(torch.int32)  # [1]
+            total_len = total.to(torch.int32).reshape(())  # scalar
+            for i, layer in enumerate(self.layers):
+                attn_out, present_key, present_value = self._fused_attention(
+                    layer, self._rms_norm(layer.input_layernorm, h), seqlens_k, total_len, past[2 * i], past[2 * i + 1]
+                )
+                h = h + attn_out
+                h = h + layer.mlp(self._rms_norm(layer.post_attention_layernorm, h))
+                new_kv += [present_key, present_value]
+        elif len(self.layers):
             positions = (kv_len + torch.arange(block, dtype=torch.int64)).float()  # [T]
             freqs = positions[:, None] * self.inv_freq[None, :]  # [T,D/2]
             emb = torch.cat((freqs, freqs), dim=-1)

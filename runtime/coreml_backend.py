@@ -33,11 +33,12 @@ import numpy as np
 from edge_spec import names
 from edge_spec.manifest import BundleError, CoreMLPackageInfo, StageInfo, coreml_feature
 
+# --coreml-compute-units values (the ONNX Runtime CoreML EP's MLComputeUnits names) -> coremltools'.
 COMPUTE_UNITS = {
-    "cpu_and_ne": "CPU_AND_NE",  # the Neural Engine, CPU for what it cannot run
-    "all": "ALL",
-    "cpu_and_gpu": "CPU_AND_GPU",
-    "cpu_only": "CPU_ONLY",
+    "CPUAndNeuralEngine": "CPU_AND_NE",  # the Neural Engine, CPU for what it cannot run
+    "ALL": "ALL",
+    "CPUAndGPU": "CPU_AND_GPU",
+    "CPUOnly": "CPU_ONLY",
 }
 MIN_MACOS = 15
 REQUIREMENT = f"macOS {MIN_MACOS}+ (Core ML states) and coremltools 9.0 (pip install 'edge-spec[coreml]')"
@@ -123,7 +124,7 @@ class CoreMLSession:
         return outputs
 
 
-def load_session(path: str | Path, stage: StageInfo, package: CoreMLPackageInfo, compute_units: str = "cpu_and_ne") -> CoreMLSession:
+def load_session(path: str | Path, stage: StageInfo, package: CoreMLPackageInfo, compute_units: str = "CPUAndNeuralEngine") -> CoreMLSession:
     """Load a bundle's stage package on this Mac; raises CoreMLUnavailable elsewhere."""
     if compute_units not in COMPUTE_UNITS:
         raise ValueError(f"unknown Core ML compute units {compute_units!r} (choose from {', '.join(COMPUTE_UNITS)})")

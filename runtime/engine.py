@@ -130,6 +130,13 @@ class Engine:
         allow_fallback = c.allow_fallback or choice.requested == "auto"
         return SessionConfig(choice.provider, c.threads, allow_fallback, c.device_id, c.coreml_compute_units, c.coreml_static_shapes)
 
+    def _runs_coreml_package(self, key: str, stage, group: str) -> bool:
+        """A stage runs its Core ML package when the bundle has no ONNX graph for it, or when the
+        role group's provider is coreml and the bundle ships a package (the Neural Engine path)."""
+        if key not in self.bundle.manifest.coreml:
+            return False
+        return not stage.file or self.provider_choices[group].provider == "coreml"
+
     def _runner(self, role: str, group: str = "target") -> ModelRunner:
         manifest = self.bundle.manifest
         self.bundle.require_role(role)
@@ -137,6 +144,11 @@ class Engine:
         stages = [manifest.stages[key] for key in info.stages]
         sessions = []
         for key, stage in zip(info.stages, stages):
+            if key not in self._sessions and self._runs_coreml_package(key, stage, group):
+                from runtime.coreml_backend import load_session
+
+                package = manifest.coreml[key]
+                self._sessions[key] = load_session(self.bundle.file(package.file), stage, package, self.config.coreml_compute_units)
             if key not in self._sessions:
                 choice = self.provider_choices[group]
                 session, reason = open_session(self.bundle.file(stage.file), choice.provider, self._session_config(choice))

@@ -23,18 +23,43 @@ class KVCache:
     some layers (a layer-skip draft) before `extend` covers them for all layers.
     """
 
-    def __init__(self, layers: range, n_kv_heads: int, max_context: int, head_dim: int, dtype: str = "float32"):
+    def __init__(self, layers: range, n_kv_heads: int, max_context: int, head_dim: int, dtype: str = "float32", device: tuple[str, int] | None = None):
+        """device: None keeps the buffers in host numpy arrays; ("cuda", id) allocates them on
+        that device as ONNX Runtime OrtValues, which only fused (in-place) graphs can update."""
         shape = (1, n_kv_heads, max_context, head_dim)  # [1,KVH,MAX,D]
         self.layers = layers
         self.max_context = max_context
-        self.keys = {layer: np.zeros(shape, dtype=dtype) for layer in layers}
-        self.values = {layer: np.zeros(shape, dtype=dtype) for layer in layers}
+        self.device = device
+        if device is None:
+            self.keys = {layer: np.zeros(shape, dtype=dtype) for layer in layers}
+            self.values = {layer: np.zeros(shape, dtype=dtype) for layer in layers}
+        else:
+            import onnxruntime as ort
+
+            def alloc():
+                return ort.OrtValue.ortvalue_from_shape_and_type(shape, np.dtype(dtype).type, device[0], device[1])
+
+            self.keys = {layer: alloc() for layer in layers}
+            self.values = {layer: alloc() for layer in layers}
+        self._nbytes = 2 * len(layers) * int(np.prod(shape)) * np.dtype(dtype).itemsize
+        self._ortvalues: dict[int, tuple] = {}
         self.row_tokens = np.full(max_context, -1, dtype=np.int64)  # [MAX]
         self.kv_len = 0
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.keys.values()) + sum(a.nbytes for a in self.values.values())
+        return self._nbytes
+
+    def ortvalues(self, layer: int) -> tuple:
+        """(key, value) of a layer as OrtValues sharing the buffers' memory, for in-place binding."""
+        if layer not in self._ortvalues:
+            if self.device is None:
+                import onnxruntime as ort
+
+                self._ortvalues[layer] = (ort.OrtValue.ortvalue_from_numpy(self.keys[layer]), ort.OrtValue.ortvalue_from_numpy(self.values[layer]))
+            else:
+                self._ortvalues[layer] = (self.keys[layer], self.values[layer])
+        return self._ortvalues[layer]
 
     def feeds(self, layers: range) -> dict[str, np.ndarray]:
         feeds = {}
@@ -50,6 +75,8 @@ class KVCache:
     def write_rows(self, layers: range, new_kv: Sequence[np.ndarray], start: int) -> None:
         """Copy a block's new keys/values ([1,KVH,T,D] each, key then value per layer) into
         rows [start, start+T); kv_len is left alone."""
+        if self.device is not None:
+            raise RuntimeError("KV buffers on a device are updated in place by fused graphs only")
         for i, layer in enumerate(layers):
             new_key, new_value = new_kv[2 * i], new_kv[2 * i + 1]
             block = new_key.shape[2]

@@ -81,7 +81,7 @@ def decode_steps(
         if n_drafted:
             controllers[active.name].update(n_drafted, n_accepted)
             if active.costs_passes:
-                costs.record_draft(active.name, n_drafted, drafted_at - began)
+                costs.record_draft(active.name, n_drafted, drafted_at - began - proposal.catch_up_seconds)
         costs.record_target(len(block), verified_at - drafted_at)
         name = active.name if n_drafted else None
         yield Step(tuple(int(t) for t in new_tokens), n_gamma, n_drafted, n_accepted, drafted_at - began, verified_at - drafted_at, name)

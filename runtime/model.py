@@ -23,12 +23,41 @@ class ModelRunner:
         self.sessions = sessions
         self.cache = cache
         self.vocab_size = info.arch.vocab_size
-        self._output_names = [list(stage.outputs) for stage in stages]
+        self._bindings = [self._bind_in_place(stage, session) for stage, session in zip(stages, sessions)]
+        # A session without I/O binding (a Core ML package) returns the new rows, as portable graphs do.
+        self._output_names = [
+            list(stage.outputs) if hasattr(session, "io_binding") else names.stage_outputs(stage.head, stage.layers, "portable")
+            for stage, session in zip(stages, sessions)
+        ]
+
+    def _bind_in_place(self, stage: StageInfo, session):
+        """A fused stage reads and writes the KV buffers in place: bind each past_* input and its
+        present_* output to the same cache array once; they never move."""
+        if stage.attention != "fused" or not stage.layers or not hasattr(session, "io_binding"):
+            return None
+        binding = session.io_binding()
+        binding.bind_output(stage.outputs[0], "cpu")  # bound first, so get_outputs()[0] is it
+        for layer in stage.layers:
+            key, value = self.cache.ortvalues(layer)
+            binding.bind_ortvalue_input(names.past_key(layer), key)
+            binding.bind_ortvalue_output(names.present_key(layer), key)
+            binding.bind_ortvalue_input(names.past_value(layer), value)
+            binding.bind_ortvalue_output(names.present_value(layer), value)
+        return binding
 
     def run_stage(self, index: int, x: np.ndarray, start: int, logit_positions: np.ndarray | None = None) -> np.ndarray:
         """Run stage `index` on x (ids [1,T] or hidden [1,T,H]) at position `start`, write its
         KV rows, and return its first output (hidden [1,T,H] or logits [1,N,V])."""
         stage = self.stages[index]
+        binding = self._bindings[index]
+        if binding is not None:
+            binding.bind_cpu_input(stage.inputs[0], np.ascontiguousarray(x))
+            binding.bind_cpu_input(names.KV_LEN, np.array([start], dtype=np.int64))
+            if stage.head:
+                binding.bind_cpu_input(names.LOGIT_POSITIONS, logit_positions)
+            binding.bind_output(stage.outputs[0], "cpu")  # unallocated again: its shape varies with T
+            self.sessions[index].run_with_iobinding(binding)
+            return binding.get_outputs()[0].numpy()
         feeds = {stage.inputs[0]: x}
         if stage.layers:
             feeds[names.KV_LEN] = np.array([start], dtype=np.int64)

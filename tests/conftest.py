@@ -80,6 +80,12 @@ def qwen2_bundle(tmp_path_factory, tiny_models) -> Path:
 
 
 @pytest.fixture(scope="session")
+def portable_bundle(tmp_path_factory, tiny_models) -> Path:
+    """The llama bundle of llama_bundle with portable attention (standard ops, new KV rows out)."""
+    return _export(tmp_path_factory, "llama-portable", tiny_models.llama, drafts=(str(tiny_models.draft), "layer-skip:1"), attention="portable")
+
+
+@pytest.fixture(scope="session")
 def bundles(llama_bundle, qwen2_bundle) -> dict[str, Path]:
     return {"llama": llama_bundle, "qwen2": qwen2_bundle}
 

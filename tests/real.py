@@ -58,12 +58,13 @@ def bundles_root() -> Path:
     return Path(os.environ.get("EDGE_SPEC_BUNDLES", Path.home() / ".cache" / "edge-spec" / "bundles"))
 
 
-# name -> (model, quant, drafts, max_context)
+# name -> (model, quant, drafts, max_context, attention). SmolLM2 is portable: the Kotlin core
+# (android_bridge) replays it, and Python checks that kind on real weights through it.
 REAL_BUNDLES = {
-    "smollm2-fp32": ("smollm2-135m", "fp32", ("layer-skip:10",), 2048),
-    "qwen-pair-int4": ("qwen2.5-coder-1.5b", "int4", ("qwen2.5-coder-0.5b", LAYER_SKIP), 2048),
-    "qwen-pair-int8": ("qwen2.5-coder-1.5b", "int8", ("qwen2.5-coder-0.5b", LAYER_SKIP), 2048),
-    "qwen15-fp32": ("qwen2.5-coder-1.5b", "fp32", (), 1024),
+    "smollm2-fp32": ("smollm2-135m", "fp32", ("layer-skip:10",), 2048, "portable"),
+    "qwen-pair-int4": ("qwen2.5-coder-1.5b", "int4", ("qwen2.5-coder-0.5b", LAYER_SKIP), 2048, "fused"),
+    "qwen-pair-int8": ("qwen2.5-coder-1.5b", "int8", ("qwen2.5-coder-0.5b", LAYER_SKIP), 2048, "fused"),
+    "qwen15-fp32": ("qwen2.5-coder-1.5b", "fp32", (), 1024, "fused"),
 }
 
 
@@ -81,7 +82,7 @@ def bundle(name: str) -> Path:
         model = REAL_BUNDLES[name][0]
         todo = [n for n, spec in REAL_BUNDLES.items() if spec[0] == model and not (_bundle_path(n) / "manifest.json").is_file()]
         configs = [
-            f"ExportConfig({REAL_BUNDLES[n][0]!r}, Path({str(_bundle_path(n))!r}), {REAL_BUNDLES[n][1]!r}, {REAL_BUNDLES[n][3]}, {REAL_BUNDLES[n][2]!r}, force=True)"
+            f"ExportConfig({REAL_BUNDLES[n][0]!r}, Path({str(_bundle_path(n))!r}), {REAL_BUNDLES[n][1]!r}, {REAL_BUNDLES[n][3]}, {REAL_BUNDLES[n][2]!r}, force=True, attention={REAL_BUNDLES[n][4]!r})"
             for n in todo
         ]
         script = "from pathlib import Path\nfrom export.bundle import ExportConfig, export_bundles\nexport_bundles([" + ", ".join(configs) + "])"

@@ -170,7 +170,7 @@ def test_package_specs_are_fixed_shape_fp16_and_stateful(pair_bundle):
             kv_len = _array_type(inputs[names.KV_LEN])
             assert tuple(kv_len.shape) == (1,) and kv_len.dataType == int32 and kv_len.WhichOneof("ShapeFlexibility") is None
         outputs = [f.name for f in spec.description.output]
-        assert outputs == list(package.outputs) == [n.replace(".", "_") for n in stage.outputs]
+        assert outputs == list(package.outputs) == [n.replace(".", "_") for n in names.stage_outputs(stage.head, stage.layers, "portable")]
         assert {_array_type(f).dataType for f in spec.description.output} == {fp16}
         states = {s.name: s.type.stateType.arrayType for s in spec.description.state}
         assert list(states) == list(package.states)
@@ -536,3 +536,29 @@ def test_smollm2_packages(tmp_path):
     ops = _op_types(spec)
     # Every linear and the tied embedding/head; not the rotary tables, which stay fp16.
     assert ops["constexpr_blockwise_shift_scale"] == 7 * n_layers + 1
+
+
+def test_engine_runs_stages_without_a_graph_on_their_packages(coreml_only_bundle, models, monkeypatch):
+    """The Engine routes a stage with no ONNX graph to the Core ML backend (here with the
+    stand-in MLModel, as packages load only on macOS 15+) and decodes greedily as transformers."""
+    import runtime.coreml_backend as backend
+    from runtime.engine import Engine, EngineConfig, GenerateConfig
+
+    model, tok = models["hf"]
+    loaded = []
+
+    def fake_load(path, stage, package, compute_units="CPUAndNeuralEngine"):
+        loaded.append((Path(path).name, compute_units))
+        module = StageModule(model, stage.layer_start, stage.layer_end, stage.embed, stage.head, package_vocab)
+        wrapper = StatefulStage(module, stage.layers, package.state_length, torch.float32).eval()
+        return backend.CoreMLSession(FakeMLModel(wrapper, package), stage, package)
+
+    package_vocab = load_manifest(coreml_only_bundle).target.arch.vocab_size
+    monkeypatch.setattr(backend, "load_session", fake_load)
+    engine = Engine(coreml_only_bundle, EngineConfig(provider="cpu", drafter="none", calibrate=False, coreml_compute_units="CPUOnly"))
+    assert loaded == [("target.mlpackage", "CPUOnly")]
+    prompt = tok(tiny.PROMPT)["input_ids"]
+    expected = list(prompt)
+    for _ in range(8):
+        expected.append(int(tiny.hf_logits(model, expected)[-1].argmax()))
+    assert engine.generate(prompt, GenerateConfig(max_new_tokens=8)).token_ids == expected[len(prompt) :]

@@ -49,10 +49,15 @@ def test_intact_copy_loads(bundle):
     assert manifest_from_dict(json.loads(manifest.to_json())) == manifest
 
 
-@pytest.mark.parametrize("version", [2, 0, None, "1"])
+@pytest.mark.parametrize("version", [mf.SCHEMA_VERSION + 1, mf.SCHEMA_VERSION - 1, 0, None, str(mf.SCHEMA_VERSION)])
 def test_wrong_schema_version(bundle, version):
     _edit(bundle, lambda d: d.update(schema_version=version))
-    _raises(bundle, f"schema version {version!r} is not supported", "reads version 1", "re-export")
+    _raises(bundle, f"schema version {version!r} is not supported", f"reads version {mf.SCHEMA_VERSION}", "re-export")
+
+
+def test_unknown_attention_kind(bundle):
+    _edit(bundle, lambda d: d["stages"]["target.trunk"].update(attention="flash"))
+    _raises(bundle, "unknown attention kind 'flash'")
 
 
 def test_missing_file(bundle):

@@ -397,3 +397,53 @@ def test_export_cli_writes_a_loadable_bundle(tiny_models, tmp_path, bundles):
     b = _engine(bundles["llama"]).target.forward(ids)
     np.testing.assert_allclose(a, b, atol=1e-5)
     shutil.rmtree(out)
+
+
+# -- portable attention (standard ONNX ops; the runtime copies the new rows in) ---------------------
+
+
+def test_portable_graphs_use_standard_ops_only(portable_bundle, bundles):
+    import onnx
+
+    for bundle, expect_fused in ((portable_bundle, False), (bundles["llama"], True)):
+        manifest = Engine(bundle, EngineConfig(drafter="none", calibrate=False)).bundle.manifest
+        for key, stage in manifest.stages.items():
+            domains = {node.domain for node in onnx.load(str(bundle / stage.file), load_external_data=False).graph.node}
+            fused = bool(stage.layers) and "com.microsoft" in domains
+            assert fused == (expect_fused and bool(stage.layers)), key
+            assert stage.attention == ("fused" if expect_fused else "portable")
+
+
+def test_portable_logits_match_transformers(portable_bundle, hf_models):
+    model, _ = hf_models["llama"]
+    ids = _prompt_ids(hf_models, "llama")
+    engine = _engine(portable_bundle)
+    np.testing.assert_allclose(engine.target.forward(ids), tiny.hf_logits(model, ids), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("drafter", ("model", "layer-skip"))
+def test_portable_speculative_greedy_equals_fused_plain(drafter, portable_bundle, greedy_reference):
+    ids, plain = greedy_reference["llama"]
+    assert _engine(portable_bundle, drafter, 3).generate(ids, GenerateConfig(max_new_tokens=30)).token_ids == plain
+
+
+def test_kv_buffers_as_device_ortvalues_match_host(bundles, hf_models):
+    """The path a CUDA session takes (KV as OrtValues on the device, bound in place), run with
+    the CPU as the device: same logits as host numpy buffers, across a rollback."""
+    from runtime.kv_cache import KVCache
+    from runtime.model import ModelRunner
+
+    model, _ = hf_models["llama"]
+    ids = _prompt_ids(hf_models, "llama")
+    host = _engine(bundles["llama"]).target
+    arch = host.info.arch
+    cache = KVCache(range(arch.n_layers), arch.n_kv_heads, arch.max_context, arch.head_dim, device=("cpu", 0))
+    runner = ModelRunner("target", host.info, host.stages, host.sessions, cache)
+    ref = tiny.hf_logits(model, ids)
+    first = runner.forward(ids[:5])
+    rest = runner.forward([7, 8, 9])  # a wrong continuation, rolled back below
+    cache.rollback_to_prefix(ids)
+    assert cache.kv_len == 5 and rest.shape[0] == 3
+    np.testing.assert_allclose(np.concatenate([first, runner.forward(ids[5:])]), ref, atol=1e-4, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="in place"):
+        cache.write_rows(range(1), [np.zeros((1, arch.n_kv_heads, 1, arch.head_dim), np.float32)] * 2, 0)

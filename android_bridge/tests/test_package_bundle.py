@@ -78,3 +78,16 @@ def test_cli_exit_codes(bundle, tmp_path, capsys):
     assert (tmp_path / "o" / "download" / "llama" / "manifest.json").is_file()
     assert pb.main([str(bundle), str(tmp_path / "o"), "--budget", "1KB"]) == 2
     assert "over the phone budget" in capsys.readouterr().err
+
+
+def test_refuses_fused_attention(bundle, tmp_path):
+    from edge_spec import names
+
+    path = bundle / "manifest.json"
+    data = json.loads(path.read_text())
+    stage = data["stages"]["target.trunk"]
+    stage["attention"] = "fused"
+    stage["outputs"] = names.stage_outputs(stage["head"], range(stage["layer_start"], stage["layer_end"]), "fused")
+    path.write_text(json.dumps(data))
+    with pytest.raises(pb.PackageError, match="--attention portable"):
+        pb.package(bundle, tmp_path / "out", pb.parse_size("3GB"), None, None, "assets", log=lambda m: None)

@@ -292,8 +292,9 @@ def tiny_bundles(out: Path) -> dict[str, Path]:
     qwen2 = tiny.make_qwen2(root / "hf-qwen2", tok, n_layers=3, seed=1)
     draft = tiny.make_llama(root / "hf-draft", tok, n_layers=2, seed=5)
     bundles = {"llama": root / "llama", "qwen2": root / "qwen2"}
-    tiny.export(llama, bundles["llama"], drafts=(str(draft), "layer-skip:1"))
-    tiny.export(qwen2, bundles["qwen2"], drafts=(str(draft), "layer-skip:2"))
+    # Portable graphs: the Kotlin core runs standard ONNX ops and copies new KV rows itself.
+    tiny.export(llama, bundles["llama"], drafts=(str(draft), "layer-skip:1"), attention="portable")
+    tiny.export(qwen2, bundles["qwen2"], drafts=(str(draft), "layer-skip:2"), attention="portable")
     return bundles
 
 

@@ -19,12 +19,15 @@ class Proposal:
     # Layer skip only: the target's first-stage output for [pending, d1..d(γ-1)], with their
     # KV rows already written, so the verify pass does not compute them again.
     trunk_hidden: np.ndarray | None = None  # [1, γ, H]
+    # Seconds spent feeding the draft tokens it had not seen (after plain steps): a one-off,
+    # not part of what a draft step costs, so the cost model leaves it out.
+    catch_up_seconds: float = 0.0
 
     @classmethod
-    def of(cls, tokens: list[int], draft_probs: list[np.ndarray | None], trunk_hidden: np.ndarray | None = None) -> "Proposal":
+    def of(cls, tokens: list[int], draft_probs: list[np.ndarray | None], trunk_hidden: np.ndarray | None = None, catch_up_seconds: float = 0.0) -> "Proposal":
         """From per-token picks; q is None when drafted greedily (no distribution needed)."""
         probs = None if draft_probs[0] is None else np.stack(draft_probs)  # [γ,V]
-        return cls(np.array(tokens, dtype=np.int64), probs, trunk_hidden)
+        return cls(np.array(tokens, dtype=np.int64), probs, trunk_hidden, catch_up_seconds)
 
 
 class Drafter(ABC):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from edge_spec.sampling import SamplingConfig
@@ -23,8 +25,14 @@ class DraftModelDrafter(Drafter):
         # Catch up on what the draft has not seen: the whole prompt at first, then the one or
         # two tokens the last round committed.
         missing = tokens[cache.kv_len :]
-        if len(missing) > 1:
+        began = time.perf_counter()
+        if len(missing) > 2:
             self.runner.prefill(missing[:-1])
+            catch_up = time.perf_counter() - began
+        else:
+            catch_up = 0.0
+            if len(missing) == 2:
+                self.runner.forward(missing[:1], n_logits=1)
         logits = self.runner.forward(missing[-1:], n_logits=1)[-1]  # [V]
         drafted, draft_probs = [], []
         for i in range(gamma):
@@ -33,7 +41,7 @@ class DraftModelDrafter(Drafter):
             draft_probs.append(token_probs)
             if i + 1 < gamma:
                 logits = self.runner.forward([token])[-1]  # [V]
-        return Proposal.of(drafted, draft_probs)
+        return Proposal.of(drafted, draft_probs, catch_up_seconds=catch_up)
 
     def accepted(self, tokens, n_accepted):
         # Never keep a row for the pending (last) token: the next round feeds it first.

@@ -1,6 +1,8 @@
 package dev.edgespec
 
 import dev.edgespec.core.BundleException
+import dev.edgespec.core.Names
+import dev.edgespec.core.SCHEMA_VERSION
 import dev.edgespec.core.ManifestReader
 import org.json.JSONObject
 import org.junit.jupiter.api.Assertions.assertEquals
@@ -35,7 +37,12 @@ class ManifestTest {
         assertEquals("target", m.models.getValue("layer_skip").sharesKvWith)
     }
 
-    @Test fun `schema version`() = refused(mutated({ it.put("schema_version", 2) }), "schema version 2 is not supported")
+    @Test fun `schema version`() = refused(mutated({ it.put("schema_version", SCHEMA_VERSION + 1) }), "schema version ${SCHEMA_VERSION + 1} is not supported")
+    @Test fun `fused attention refused`() = refused(mutated({ m ->
+        val stage = m.getJSONObject("stages").getJSONObject("target.trunk")
+        stage.put("attention", "fused")
+        stage.put("outputs", org.json.JSONArray(Names.stageOutputs(false, 0 until stage.getInt("layer_end")).map { it.replace("new_", "present_") }))
+    }), "re-export with `python -m export MODEL --attention portable`")
     @Test fun `unknown field`() = refused(mutated({ it.put("extra", 1) }), "unknown field(s) [extra]")
     @Test fun `no target`() = refused(mutated({ m -> val models = m.getJSONObject("models"); models.put("x", models.remove("target")); m.remove("default_draft") }), "no 'target' model")
     @Test fun `unknown quantization`() = refused(mutated({ it.getJSONObject("models").getJSONObject("target").put("quant", "int3") }), "unknown quantization 'int3'")

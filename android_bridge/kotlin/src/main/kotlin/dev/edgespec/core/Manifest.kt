@@ -9,10 +9,11 @@ import java.security.MessageDigest
 /** A bundle that cannot be used, with the reason (same messages as edge_spec.manifest). */
 class BundleException(message: String) : Exception(message)
 
-const val SCHEMA_VERSION = 1
+const val SCHEMA_VERSION = 2
 const val MANIFEST_FILE = "manifest.json"
 val QUANTS = listOf("int4", "int8", "fp16", "fp32")
 val KV_DTYPES = listOf("float32", "float16")
+val ATTENTION_KINDS = listOf("fused", "portable")
 
 data class ArchInfo(
     val modelType: String, val nLayers: Int, val nHeads: Int, val nKvHeads: Int, val headDim: Int,
@@ -22,6 +23,7 @@ data class ArchInfo(
 data class StageInfo(
     val file: String, val dataFiles: List<String>, val embed: Boolean, val head: Boolean,
     val layerStart: Int, val layerEnd: Int, val inputs: List<String>, val outputs: List<String>,
+    val attention: String = "fused",
 ) {
     val layers: IntRange get() = layerStart until layerEnd
 }
@@ -87,14 +89,15 @@ object ManifestReader {
                     "re-export the bundle with this edge-spec version",
             )
         }
-        val top = Fields(root, "top level", listOf("schema_version", "stages", "models", "tokenizer", "files", "created_by", "default_draft"))
+        val top = Fields(root, "top level", listOf("schema_version", "stages", "models", "tokenizer", "files", "created_by", "default_draft", "coreml"))
         val stagesObj = top.obj("stages")
         val stages = LinkedHashMap<String, StageInfo>()
         for (key in stagesObj.keys()) {
             val f = Fields(stagesObj.getJSONObject(key), "stage '$key'",
-                listOf("file", "data_files", "embed", "head", "layer_start", "layer_end", "inputs", "outputs"))
+                listOf("file", "data_files", "embed", "head", "layer_start", "layer_end", "inputs", "outputs", "attention"))
             stages[key] = StageInfo(f.str("file"), f.strings("data_files"), f.bool("embed"), f.bool("head"),
-                f.int("layer_start"), f.int("layer_end"), f.strings("inputs"), f.strings("outputs"))
+                f.int("layer_start"), f.int("layer_end"), f.strings("inputs"), f.strings("outputs"),
+                f.strOrNull("attention", "fused") ?: "fused")
         }
         val modelsObj = top.obj("models")
         val models = LinkedHashMap<String, ModelInfo>()
@@ -153,6 +156,13 @@ object ManifestReader {
             if (!stage.layers.isEmpty() && stage.layerStart != nextLayer)
                 throw BundleException("model '$role': stage '$key' starts at layer ${stage.layerStart}, expected $nextLayer")
             if (!stage.layers.isEmpty()) nextLayer = stage.layerEnd
+            if (stage.attention !in ATTENTION_KINDS)
+                throw BundleException("stage '$key': unknown attention kind '${stage.attention}' (known: $ATTENTION_KINDS)")
+            // Fused stages need ONNX Runtime's contrib GroupQueryAttention and in-place KV binding,
+            // which this core does not drive (NNAPI cannot run contrib ops either).
+            if (stage.attention != "portable" && !stage.layers.isEmpty())
+                throw BundleException("stage '$key' uses ${stage.attention} attention; the on-device core runs portable graphs: " +
+                    "re-export with `python -m export MODEL --attention portable`")
             if (stage.inputs != Names.stageInputs(stage.embed, stage.head, stage.layers) ||
                 stage.outputs != Names.stageOutputs(stage.head, stage.layers))
                 throw BundleException("stage '$key': graph input/output names do not follow edge_spec.names")
