@@ -29,7 +29,7 @@ from runtime.gamma import CostModel, GammaConfig, GammaController
 from runtime.kv_cache import KVCache
 from runtime.loop import Step, decode_steps
 from runtime.model import ModelRunner
-from runtime.sessions import ProviderChoice, SessionConfig, open_session, resolve_provider
+from runtime.sessions import ProviderChoice, SessionConfig, kv_device, open_session, resolve_provider
 from runtime.tokenizer import BundleTokenizer, StreamDecoder
 
 DRAFTERS = ("auto", "model", "layer-skip", "lookup", "none")
@@ -159,7 +159,9 @@ class Engine:
         owner = info.shares_kv_with or role
         if owner not in self._caches:
             arch = manifest.models[owner].arch
-            self._caches[owner] = KVCache(range(arch.n_layers), arch.n_kv_heads, arch.max_context, arch.head_dim, arch.kv_dtype)
+            owner_stages = [manifest.stages[key] for key in manifest.models[owner].stages]
+            device = kv_device(owner_stages, [self._sessions[key] for key in manifest.models[owner].stages])
+            self._caches[owner] = KVCache(range(arch.n_layers), arch.n_kv_heads, arch.max_context, arch.head_dim, arch.kv_dtype, device)
         return ModelRunner(role, info, stages, sessions, self._caches[owner])
 
     def _model_drafter(self, kind: str) -> Drafter | None:

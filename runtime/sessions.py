@@ -255,3 +255,17 @@ def session_device(session) -> Device:
     provider = session_provider(session)
     options = session.get_provider_options().get(PROVIDERS[provider].ort_name, {})
     return ort_device(provider, int(options.get("device_id", 0)))
+
+
+def kv_device(stages, sessions) -> Device | None:
+    """Where a role's KV buffers should live: on the GPU when every stage that has layers is a
+    fused graph on a CUDA session (written in place there, never copied to the host); else in
+    host memory (None), which the CPU reads directly and portable graphs need for row copies."""
+    devices = {session_device(session) for stage, session in zip(stages, sessions) if stage.layers}
+    fused = all(stage.attention == "fused" and hasattr(session, "io_binding") for stage, session in zip(stages, sessions) if stage.layers)
+    if fused and len(devices) == 1:
+        (device,) = devices
+        if device.type == "cuda":
+            return device
+    return None
+

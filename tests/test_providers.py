@@ -5,6 +5,7 @@ them: construction is checked up to the ONNX Runtime call, execution only on the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -310,3 +311,27 @@ def test_import_error_without_onnxruntime():
     assert last.startswith("ImportError: edge-spec's runtime needs ONNX Runtime and no onnxruntime package is installed")
     for extra, package in (("cpu", "onnxruntime"), ("cuda", "onnxruntime-gpu"), ("directml", "onnxruntime-directml")):
         assert f'pip install "edge-spec[{extra}]" ({package}:' in last
+
+
+def test_kv_lives_on_the_gpu_only_for_fused_cuda_stages(fake_ort, llama_bundle):
+    """KV buffers go to the device when every layer stage is fused and bindable on CUDA (the
+    graphs write them in place there); portable stages or the CPU keep them in host memory."""
+    from runtime.sessions import kv_device
+
+    class Bindable(FakeSession):
+        def io_binding(self):
+            raise AssertionError("not called by kv_device")
+
+    manifest = open_bundle(llama_bundle, check_hashes=False).manifest
+    stages = [manifest.stages[key] for key in manifest.target.stages]
+    fake_ort(CUDA, CPU)
+    options = [{"device_id": "1"}, {}]
+    on_cuda = [Bindable(llama_bundle / s.file, providers=[CUDA, CPU], provider_options=options) for s in stages]
+    on_cpu = [Bindable(llama_bundle / s.file, providers=[CPU], provider_options=[{}]) for s in stages]
+    assert all(s.attention == "fused" for s in stages if s.layers)
+    assert kv_device(stages, on_cuda) == Device("cuda", 1)
+    assert kv_device(stages, on_cpu) is None
+    unbindable = [FakeSession(llama_bundle / s.file, providers=[CUDA, CPU], provider_options=options) for s in stages]
+    assert kv_device(stages, unbindable) is None
+    portable = [dataclasses.replace(s, attention="portable") for s in stages]
+    assert kv_device(portable, on_cuda) is None
