@@ -19,7 +19,7 @@ from edge_spec.catalog import CATALOG
 from export.archs import arch_for
 from export.onnx_graphs import export_stage
 from export.quantize import quantize_file, save
-from export.sources import Checkpoint, SourceError, candidate_sources, load_checkpoint
+from export.sources import Checkpoint, load_checkpoint, load_config
 
 LAYER_SKIP_PREFIX = "layer-skip:"
 FORMATS = ("onnx", "coreml")  # ONNX stage graphs; Core ML packages for the Apple Neural Engine
@@ -48,24 +48,13 @@ def default_drafts(model: str) -> tuple[str, ...]:
 
 def model_facts(spec: str) -> ModelFacts:
     """A model's shape from its config alone (no weights), to plan memory before exporting."""
-    from transformers import AutoConfig
-
-    tried = []
-    for source in candidate_sources(spec):
-        kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-        try:
-            config = AutoConfig.from_pretrained(source.path, **kwargs)
-        except (OSError, ValueError) as exc:
-            tried.append(f"{source.description}: {str(exc).splitlines()[0]}")
-            continue
-        arch_for(config)
-        heads = config.num_attention_heads
-        return ModelFacts(
-            config.model_type, config.num_hidden_layers, config.hidden_size, heads, config.num_key_value_heads,
-            getattr(config, "head_dim", None) or config.hidden_size // heads, config.intermediate_size, config.vocab_size,
-            qkv_bias=bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2",
-        )
-    raise SourceError(f"could not read the config of {spec!r} to plan its memory; tried:\n  " + "\n  ".join(tried or ["no source: not a catalog alias, folder, .gguf file or hub id"]))
+    _, config = load_config(spec)
+    heads = config.num_attention_heads
+    return ModelFacts(
+        config.model_type, config.num_hidden_layers, config.hidden_size, heads, config.num_key_value_heads,
+        getattr(config, "head_dim", None) or config.hidden_size // heads, config.intermediate_size, config.vocab_size,
+        qkv_bias=bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2",
+    )
 
 
 def choose_for_budget(config: ExportConfig, budget: int) -> ExportChoice:

@@ -18,6 +18,11 @@ class Source:
     path: str  # folder or hub id given to from_pretrained
     gguf_file: str | None = None
 
+    @property
+    def kwargs(self) -> dict:
+        """Extra from_pretrained arguments: the GGUF file name inside `path`, if any."""
+        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+
 
 @dataclass
 class Checkpoint:
@@ -46,15 +51,18 @@ def candidate_sources(spec: str) -> list[Source]:
     return []
 
 
-def load_checkpoint(spec: str) -> Checkpoint:
+def load_config(spec: str):
+    """The first candidate source whose config loads, and that config (architecture checked,
+    no weights read); SourceError lists every source tried."""
     sources = candidate_sources(spec)
     if not sources:
         raise SourceError(
             f"unknown model {spec!r}: not a catalog alias ({', '.join(CATALOG)}), not a local folder "
             "or .gguf file, and not a hub id of the form owner/name"
         )
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig
+
+    from export.archs import arch_for
 
     tried = []
     for source in sources:
@@ -64,20 +72,25 @@ def load_checkpoint(spec: str) -> Checkpoint:
         if source.gguf_file is None and Path(source.path).suffix == ".gguf":
             tried.append(f"{source.description}: file not found")
             continue
-        kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
         try:
-            config = AutoConfig.from_pretrained(source.path, **kwargs)
+            config = AutoConfig.from_pretrained(source.path, **source.kwargs)
         except (OSError, ValueError) as exc:
             tried.append(f"{source.description}: {str(exc).splitlines()[0]}")
             continue
-        from export.archs import arch_for
-
         arch_for(config)  # refuse unsupported architectures before loading gigabytes
-        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32, **kwargs).eval()
-        tokenizer = AutoTokenizer.from_pretrained(source.path, **kwargs)
-        return Checkpoint(source, model, tokenizer)
+        return source, config
     hint = (
         "download the checkpoint (`hf download ID`) or its GGUF into $EDGE_SPEC_MODELS "
         f"(now {models_dir()}), or pass a local folder or .gguf path"
     )
     raise SourceError(f"could not load {spec!r}; tried:\n  " + "\n  ".join(tried) + f"\n{hint}")
+
+
+def load_checkpoint(spec: str) -> Checkpoint:
+    source, _ = load_config(spec)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32, **source.kwargs).eval()
+    tokenizer = AutoTokenizer.from_pretrained(source.path, **source.kwargs)
+    return Checkpoint(source, model, tokenizer)
