@@ -101,6 +101,7 @@ class Engine:
         self.drafter = self._make_drafter(config.drafter)
         self._drafters = {config.drafter: self.drafter}
         self.costs = CostModel()
+        self._gamma_controllers: dict[tuple, GammaController] = {}
         self._lock = threading.Lock()
         if config.calibrate and self.drafter is not None:
             self.calibrate()
@@ -232,8 +233,17 @@ class Engine:
     def _controllers(self) -> dict[str, GammaController]:
         if self.drafter is None:
             return {}
+        # One controller per drafter and γ policy for the engine's life: α learned on earlier
+        # sequences is the prior for the next (each round decays it), the probe schedule restarts.
         gamma_config = GammaConfig(fixed=self.config.gamma, max_gamma=self.config.max_gamma)
-        return {part.name: GammaController(gamma_config, self.costs) for part in self.drafter.parts()}
+        controllers = {}
+        for part in self.drafter.parts():
+            key = (part.name, gamma_config)
+            if key not in self._gamma_controllers:
+                self._gamma_controllers[key] = GammaController(gamma_config, self.costs)
+            controllers[part.name] = self._gamma_controllers[key]
+            controllers[part.name].start()
+        return controllers
 
     def _check_prompt(self, prompt_ids: list[int]) -> None:
         max_context = self.target.cache.max_context

@@ -23,7 +23,11 @@ from edge_spec.verify import expected_tokens_per_pass
 class GammaConfig:
     fixed: int | None = None  # None: adaptive
     max_gamma: int = 8
-    probe_every: int = 32  # plain steps between probes once speculation was switched off
+    # Once speculation is switched off, probe (draft once) after probe_first plain steps, then
+    # after twice as many each time a probe does not turn it back on, up to probe_every: a new
+    # sequence learns its α within a few steps, a hopeless one costs a probe per probe_every.
+    probe_first: int = 2
+    probe_every: int = 32
     min_gain: float = 1.02  # speculate only when the model predicts at least this speedup
     decay: float = 0.98  # weight of history in the acceptance estimate (per round)
 
@@ -75,7 +79,12 @@ class GammaController:
         # Pseudo-counts: a weak prior that measured rounds quickly override.
         self.n_accepted = 2.0 * prior_alpha
         self.n_rejected = 2.0 * (1.0 - prior_alpha)
+        self.start()
+
+    def start(self) -> None:
+        """A new sequence: probe soon again (α carries over as a prior, decayed by its rounds)."""
         self.plain_steps = 0
+        self.probe_gap = self.config.probe_first
 
     @property
     def alpha(self) -> float:
@@ -100,11 +109,13 @@ class GammaController:
         best = int(np.argmax(gains))
         if gains[best] >= self.config.min_gain:
             self.plain_steps = 0
+            self.probe_gap = self.config.probe_first
             return best
         self.plain_steps += 1
-        if self.plain_steps >= self.config.probe_every:
+        if self.plain_steps >= self.probe_gap:
             # Conditions change (a code block starts, say): draft once to refresh α.
             self.plain_steps = 0
+            self.probe_gap = min(2 * self.probe_gap, self.config.probe_every)
             return max(1, int(np.argmax(gains[1:])) + 1)
         return 0
 
