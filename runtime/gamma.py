@@ -28,6 +28,9 @@ class GammaConfig:
     # sequence learns its α within a few steps, a hopeless one costs a probe per probe_every.
     probe_first: int = 2
     probe_every: int = 32
+    # Probes that fail in a row before the drafter stays off for the rest of the sequence: a
+    # draft model must first replay every token it missed, so each probe costs what it skipped.
+    max_failed_probes: int = 2
     min_gain: float = 1.02  # speculate only when the model predicts at least this speedup
     decay: float = 0.98  # weight of history in the acceptance estimate (per round)
 
@@ -85,6 +88,8 @@ class GammaController:
         """A new sequence: probe soon again (α carries over as a prior, decayed by its rounds)."""
         self.plain_steps = 0
         self.probe_gap = self.config.probe_first
+        self.failed_probes = 0
+        self.probing = False
 
     @property
     def alpha(self) -> float:
@@ -110,12 +115,17 @@ class GammaController:
         if gains[best] >= self.config.min_gain:
             self.plain_steps = 0
             self.probe_gap = self.config.probe_first
+            self.failed_probes = 0
             return best
+        if self.probing:  # the last round was a probe, and speculation is still not worth it
+            self.failed_probes += 1
+            self.probing = False
         self.plain_steps += 1
-        if self.plain_steps >= self.probe_gap:
+        if self.plain_steps >= self.probe_gap and self.failed_probes < self.config.max_failed_probes:
             # Conditions change (a code block starts, say): draft once to refresh α.
             self.plain_steps = 0
             self.probe_gap = min(2 * self.probe_gap, self.config.probe_every)
+            self.probing = True
             return max(1, int(np.argmax(gains[1:])) + 1)
         return 0
 

@@ -270,7 +270,7 @@ def test_higher_alpha_never_shortens_gamma():
 
 def test_probes_after_probe_every_plain_steps():
     costs = _costs({1: 1.0, 2: 1.0})
-    controller = _with_alpha(0.5, costs, GammaConfig(probe_first=5, probe_every=5))
+    controller = _with_alpha(0.5, costs, GammaConfig(probe_first=5, probe_every=5, max_failed_probes=10))
     choices = [controller.choose(draft_step_cost=3.0) for _ in range(11)]
     assert choices[:4] == [0, 0, 0, 0]
     assert choices[4] >= 1  # the 5th plain step probes
@@ -280,12 +280,22 @@ def test_probes_after_probe_every_plain_steps():
 
 def test_probes_back_off_and_restart_with_a_new_sequence():
     costs = _costs({1: 1.0, 2: 1.0})
-    controller = _with_alpha(0.5, costs, GammaConfig(probe_first=2, probe_every=8))
-    choices = [controller.choose(draft_step_cost=3.0) for _ in range(40)]
+    controller = _with_alpha(0.5, costs, GammaConfig(probe_first=2, probe_every=8, max_failed_probes=4))
+    choices = [controller.choose(draft_step_cost=3.0) for _ in range(60)]
     probes = [i for i, gamma in enumerate(choices) if gamma]
-    assert np.diff([-1] + probes).tolist()[:5] == [2, 4, 8, 8, 8]  # gaps double up to probe_every
+    assert np.diff([-1] + probes).tolist() == [2, 4, 8, 8]  # gaps double up to probe_every, 4 failures, then off
     controller.start()
     assert [controller.choose(draft_step_cost=3.0) for _ in range(2)][1] >= 1
+
+
+def test_a_probe_that_wins_keeps_probing_alive():
+    costs = _costs({1: 1.0, 2: 1.0})
+    controller = _with_alpha(0.1, costs, GammaConfig(probe_first=2, probe_every=8, max_failed_probes=1))
+    assert [controller.choose(draft_step_cost=0.2) for _ in range(2)] == [0, 1]
+    controller.update(1, 1)  # the probe was accepted ...
+    for _ in range(30):
+        controller.update(1, 1)  # ... and so is every later draft: α climbs, speculation wins
+    assert controller.choose(draft_step_cost=0.2) >= 1 and controller.failed_probes == 0
 
 
 def test_alpha_update_is_the_truncated_geometric_mle():
