@@ -129,7 +129,8 @@ def gamma_traces() -> list[dict]:
         for block, seconds in target.items():
             costs.record_target(block, seconds)
         step_cost = [0.0, 0.001, 0.004, 0.02][i % 4]
-        controller = GammaController(GammaConfig(probe_every=5), costs, prior_alpha=[0.6, 0.2, 0.9][i % 3])
+        config = GammaConfig(probe_first=2, probe_every=5, max_failed_probes=[2, 3, 100][i % 3])
+        controller = GammaController(config, costs, prior_alpha=[0.6, 0.2, 0.9][i % 3])
         rounds = []
         for _ in range(40):
             gamma = controller.choose(step_cost)
@@ -138,7 +139,8 @@ def gamma_traces() -> list[dict]:
                 controller.update(gamma, accepted)
             rounds.append([gamma, accepted])
         cases.append({"target_costs": {str(k): v for k, v in target.items()}, "step_cost": step_cost,
-                      "prior_alpha": [0.6, 0.2, 0.9][i % 3], "probe_every": 5, "rounds": rounds})
+                      "prior_alpha": [0.6, 0.2, 0.9][i % 3], "probe_first": config.probe_first, "probe_every": config.probe_every,
+                      "max_failed_probes": config.max_failed_probes, "rounds": rounds})
     return cases
 
 

@@ -78,7 +78,9 @@ class PureConformanceTest {
             val costs = CostModel()
             val table = case.getJSONObject("target_costs")
             for (k in table.keys().asSequence().sortedBy { it.toInt() }) costs.recordTarget(k.toInt(), table.getDouble(k))
-            val controller = GammaController(GammaConfig(probeEvery = case.getInt("probe_every")), costs, case.getDouble("prior_alpha"))
+            val config = GammaConfig(probeFirst = case.getInt("probe_first"), probeEvery = case.getInt("probe_every"),
+                maxFailedProbes = case.getInt("max_failed_probes"))
+            val controller = GammaController(config, costs, case.getDouble("prior_alpha"))
             val rounds = case.getJSONArray("rounds")
             for (r in 0 until rounds.length()) {
                 val (gamma, accepted) = rounds.getJSONArray(r).ints().let { it[0] to it[1] }

@@ -1,7 +1,10 @@
 package dev.edgespec.core
 
 /** Adaptive γ (runtime/gamma.py): measured costs and a running acceptance estimate choose the draft length. */
-data class GammaConfig(val fixed: Int? = null, val maxGamma: Int = 8, val probeEvery: Int = 32, val minGain: Double = 1.02, val decay: Double = 0.98)
+data class GammaConfig(
+    val fixed: Int? = null, val maxGamma: Int = 8, val probeFirst: Int = 2, val probeEvery: Int = 32,
+    val maxFailedProbes: Int = 2, val minGain: Double = 1.02, val decay: Double = 0.98,
+)
 
 class CostModel(private val smoothing: Double = 0.2) {
     val target = HashMap<Int, Double>()
@@ -36,7 +39,13 @@ class GammaController(val config: GammaConfig, val costs: CostModel, priorAlpha:
     var accepted = 2.0 * priorAlpha
     var rejected = 2.0 * (1.0 - priorAlpha)
     var plainSteps = 0
+    var probeGap = config.probeFirst
+    var failedProbes = 0
+    var probing = false
     val alpha: Double get() = accepted / (accepted + rejected)
+
+    /** A new sequence: probe soon again (α carries over as a prior), as runtime/gamma.py. */
+    fun start() { plainSteps = 0; probeGap = config.probeFirst; failedProbes = 0; probing = false }
 
     fun expectedSpeedup(gamma: Int, draftStepCost: Double): Double {
         if (gamma == 0) return 1.0
@@ -49,10 +58,13 @@ class GammaController(val config: GammaConfig, val costs: CostModel, priorAlpha:
         config.fixed?.let { return it }
         val gains = DoubleArray(config.maxGamma + 1) { expectedSpeedup(it, draftStepCost) }
         val best = Sampling.argmax(gains)
-        if (gains[best] >= config.minGain) { plainSteps = 0; return best }
+        if (gains[best] >= config.minGain) { plainSteps = 0; probeGap = config.probeFirst; failedProbes = 0; return best }
+        if (probing) { failedProbes += 1; probing = false }
         plainSteps += 1
-        if (plainSteps >= config.probeEvery) {
+        if (plainSteps >= probeGap && failedProbes < config.maxFailedProbes) {
             plainSteps = 0
+            probeGap = minOf(2 * probeGap, config.probeEvery)
+            probing = true
             return maxOf(1, Sampling.argmax(gains.copyOfRange(1, gains.size)) + 1)
         }
         return 0
