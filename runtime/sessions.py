@@ -261,9 +261,11 @@ def kv_device(stages, sessions) -> Device | None:
     """Where a role's KV buffers should live: on the GPU when every stage that has layers is a
     fused graph on a CUDA session (written in place there, never copied to the host); else in
     host memory (None), which the CPU reads directly and portable graphs need for row copies."""
-    devices = {session_device(session) for stage, session in zip(stages, sessions) if stage.layers}
-    fused = all(stage.attention == "fused" and hasattr(session, "io_binding") for stage, session in zip(stages, sessions) if stage.layers)
-    if fused and len(devices) == 1:
+    layered = [(stage, session) for stage, session in zip(stages, sessions) if stage.layers]
+    if not all(stage.attention == "fused" and hasattr(session, "io_binding") for stage, session in layered):
+        return None  # portable graphs or Core ML packages: host buffers
+    devices = {session_device(session) for _, session in layered}
+    if len(devices) == 1:
         (device,) = devices
         if device.type == "cuda":
             return device
