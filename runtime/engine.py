@@ -220,6 +220,11 @@ class Engine:
                     part.propose(token[:2], steps, SamplingConfig(), np.random.default_rng(0))
                     if repeat:
                         self.costs.record_draft(part.name, steps, time.perf_counter() - began)
+                    # Replay: a draft model that sat out γmax+1 committed tokens feeds them first.
+                    part.reset(token[:1])
+                    if repeat and part.replay_tokens(token):
+                        proposal = part.propose(token, 1, SamplingConfig(), np.random.default_rng(0))
+                        self.costs.record_replay(part.name, proposal.catch_up_tokens, proposal.catch_up_seconds)
         self.target.cache.reset()
         self.drafter.reset()
 
@@ -230,7 +235,7 @@ class Engine:
             raise ValueError("pass exactly one of prompt or messages")
         return self.tokenizer.encode_chat(messages) if messages is not None else self.tokenizer.encode(prompt)
 
-    def _controllers(self) -> dict[str, GammaController]:
+    def _controllers(self, horizon_tokens: int) -> dict[str, GammaController]:
         if self.drafter is None:
             return {}
         # One controller per drafter and γ policy for the engine's life: α learned on earlier
@@ -242,7 +247,7 @@ class Engine:
             if key not in self._gamma_controllers:
                 self._gamma_controllers[key] = GammaController(gamma_config, self.costs)
             controllers[part.name] = self._gamma_controllers[key]
-            controllers[part.name].start()
+            controllers[part.name].start(horizon_tokens)
         return controllers
 
     def _check_prompt(self, prompt_ids: list[int]) -> None:
@@ -277,7 +282,7 @@ class Engine:
         stop_reason = None
         began = time.perf_counter()
         first_step_at = None
-        controllers = self._controllers() if drafter is not None else {}
+        controllers = self._controllers(config.max_new_tokens) if drafter is not None else {}
         text = ""
         for step in decode_steps(self.target, drafter, prompt_ids, config.sampling, rng, controllers, self.costs):
             if first_step_at is None:

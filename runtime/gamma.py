@@ -33,6 +33,13 @@ class GammaConfig:
     max_failed_probes: int = 2
     min_gain: float = 1.02  # speculate only when the model predicts at least this speedup
     decay: float = 0.98  # weight of history in the acceptance estimate (per round)
+    # What this drafter's rounds may lose against plain decoding, as a fraction of the
+    # sequence's plain time, before it stays off: predictions rest on α and costs estimated
+    # from few rounds, the ledger on what the rounds really took (draft replay included).
+    max_loss: float = 0.01
+    # Pseudo-counts of acceptance evidence a new sequence starts from: what earlier sequences
+    # taught, shrunk to a prior that a few rounds of a different kind of text can overturn.
+    prior_weight: float = 4.0
 
 
 class CostModel:
@@ -43,6 +50,7 @@ class CostModel:
         self.smoothing = smoothing
         self.target: dict[int, float] = {}
         self.draft_step: dict[str, float] = {}  # by drafter name
+        self.replay_token: dict[str, float] = {}  # by drafter name: seconds per token replayed
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.smoothing * (new - old)
@@ -53,6 +61,17 @@ class CostModel:
     def record_draft(self, drafter: str, steps: int, seconds: float) -> None:
         if steps:
             self.draft_step[drafter] = self._ema(self.draft_step.get(drafter), seconds / steps)
+
+    def record_replay(self, drafter: str, n_tokens: int, seconds: float) -> None:
+        if n_tokens:
+            self.replay_token[drafter] = self._ema(self.replay_token.get(drafter), seconds / n_tokens)
+
+    def replay_cost(self, drafter: str, n_tokens: int) -> float:
+        """Seconds to replay n_tokens the drafter missed; until measured, a draft step each
+        (a block pass costs less per token, so this errs on the side of not drafting)."""
+        if not n_tokens:
+            return 0.0
+        return n_tokens * self.replay_token.get(drafter, self.draft_step.get(drafter, 0.0))
 
     def target_cost(self, block: int) -> float:
         if block in self.target:
@@ -84,12 +103,34 @@ class GammaController:
         self.n_rejected = 2.0 * (1.0 - prior_alpha)
         self.start()
 
-    def start(self) -> None:
-        """A new sequence: probe soon again (α carries over as a prior, decayed by its rounds)."""
+    def start(self, horizon_tokens: int = 256) -> None:
+        """A new sequence of up to horizon_tokens: probe soon again (α carries over as a prior,
+        decayed by its rounds), and open a new loss ledger."""
         self.plain_steps = 0
         self.probe_gap = self.config.probe_first
         self.failed_probes = 0
         self.probing = False
+        self.horizon_tokens = horizon_tokens
+        self.loss_seconds = 0.0
+        evidence = self.n_accepted + self.n_rejected
+        if evidence > self.config.prior_weight:
+            shrink = self.config.prior_weight / evidence
+            self.n_accepted *= shrink
+            self.n_rejected *= shrink
+
+    def record_round(self, seconds: float, n_tokens: int) -> None:
+        """A speculative round of this drafter took `seconds` (drafting, replay and the verify
+        pass) and committed n_tokens, which plain decoding takes n_tokens 1-token passes for."""
+        self.loss_seconds += seconds - n_tokens * self.costs.target_cost(1)
+
+    def over_budget(self, at_risk: float = 0.0) -> bool:
+        """The ledger: speculation with this drafter has lost, or would lose if the next round
+        (putting at_risk seconds on the line) failed, more than max_loss of the sequence's
+        plain time. Wins earn room for later rounds."""
+        return self.loss_seconds + at_risk > self.config.max_loss * self.horizon_tokens * self.costs.target_cost(1)
+
+    def round_cost(self, gamma: int, draft_step_cost: float, replay_seconds: float = 0.0) -> float:
+        return replay_seconds + gamma * draft_step_cost + self.costs.target_cost(gamma + 1)
 
     @property
     def alpha(self) -> float:
@@ -97,20 +138,22 @@ class GammaController:
         run truncated at γ (positions after a rejection are never observed)."""
         return self.n_accepted / (self.n_accepted + self.n_rejected)
 
-    def expected_speedup(self, gamma: int, draft_step_cost: float) -> float:
+    def expected_speedup(self, gamma: int, draft_step_cost: float, replay_seconds: float = 0.0) -> float:
         if gamma == 0:
             return 1.0
         tokens = expected_tokens_per_pass(self.alpha, gamma)
-        round_cost = gamma * draft_step_cost + self.costs.target_cost(gamma + 1)
-        return tokens * self.costs.target_cost(1) / round_cost
+        return tokens * self.costs.target_cost(1) / self.round_cost(gamma, draft_step_cost, replay_seconds)
 
-    def choose(self, draft_step_cost: float) -> int:
+    def choose(self, draft_step_cost: float, replay_seconds: float = 0.0) -> int:
         """γ for the next round (0: a plain target step), given the seconds of one draft step
-        (0 for copying drafters)."""
+        (0 for copying drafters) and of replaying what the drafter missed before it can draft
+        (a draft model after plain or copy rounds): this round pays for it."""
         if self.config.fixed is not None:
             return self.config.fixed
+        if self.over_budget():
+            return 0
         step = draft_step_cost
-        gains = [self.expected_speedup(g, step) for g in range(self.config.max_gamma + 1)]
+        gains = [self.expected_speedup(g, step, replay_seconds) for g in range(self.config.max_gamma + 1)]
         best = int(np.argmax(gains))
         if gains[best] >= self.config.min_gain:
             self.plain_steps = 0
@@ -121,12 +164,17 @@ class GammaController:
             self.failed_probes += 1
             self.probing = False
         self.plain_steps += 1
-        if self.plain_steps >= self.probe_gap and self.failed_probes < self.config.max_failed_probes:
+        probe = 1 + int(np.argmax(gains[1:]))
+        # A probe is expected to lose (that is why speculation is off): run it only if the
+        # ledger can afford that loss, replay included.
+        expected_loss = self.round_cost(probe, step, replay_seconds) * (1.0 - gains[probe])
+        due = self.plain_steps >= self.probe_gap and self.failed_probes < self.config.max_failed_probes
+        if due and not self.over_budget(expected_loss):
             # Conditions change (a code block starts, say): draft once to refresh α.
             self.plain_steps = 0
             self.probe_gap = min(2 * self.probe_gap, self.config.probe_every)
             self.probing = True
-            return max(1, int(np.argmax(gains[1:])) + 1)
+            return probe
         return 0
 
     def update(self, n_drafted: int, n_accepted: int) -> None:

@@ -64,7 +64,8 @@ def decode_steps(
         n_gamma = 0
         if active is not None:
             step_cost = costs.draft_step.get(active.name, 0.0) if active.costs_passes else 0.0
-            n_gamma = min(controllers[active.name].choose(step_cost), target.cache.max_context - len(tokens))
+            replay_cost = costs.replay_cost(active.name, active.replay_tokens(tokens))
+            n_gamma = min(controllers[active.name].choose(step_cost, replay_cost), target.cache.max_context - len(tokens))
         proposal = active.propose(tokens, n_gamma, sampling, rng) if n_gamma > 0 else None
         drafted_at = time.perf_counter()
         n_drafted = 0 if proposal is None else len(proposal.tokens)
@@ -78,10 +79,12 @@ def decode_steps(
         target.cache.rollback_to_prefix(tokens[:-1])
         if drafter is not None:
             drafter.accepted(tokens, n_accepted)
+        costs.record_target(len(block), verified_at - drafted_at)
         if n_drafted:
             controllers[active.name].update(n_drafted, n_accepted)
+            controllers[active.name].record_round(verified_at - began, len(new_tokens))
             if active.costs_passes:
                 costs.record_draft(active.name, n_drafted, drafted_at - began - proposal.catch_up_seconds)
-        costs.record_target(len(block), verified_at - drafted_at)
+                costs.record_replay(active.name, proposal.catch_up_tokens, proposal.catch_up_seconds)
         name = active.name if n_drafted else None
         yield Step(tuple(int(t) for t in new_tokens), n_gamma, n_drafted, n_accepted, drafted_at - began, verified_at - drafted_at, name)

@@ -80,6 +80,7 @@ def test_results_runs(bench_out):
         assert set(run["gamma_histogram"]) <= {"1", "2"} and run["cost_ratio"] > 0
         assert 0 <= run["alpha"] <= 1 and run["tokens_per_pass"] >= 1 and run["bound"] > 0
         assert run["bound_fraction"] == pytest.approx(run["speedup"] / run["bound"])
+        assert run["bound_measured_verify_fraction"] == pytest.approx(run["speedup"] / run["bound_measured_verify"])
         assert "3" in run["target_pass_ms"]
         # Each round: γ draft forwards, the first over the pending token, plus at most one catch-up
         # forward; the draft's prompt prefill lies outside the decode window.

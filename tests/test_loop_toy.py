@@ -9,12 +9,15 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
+import time
+
 import numpy as np
 import pytest
 
 from edge_spec.sampling import SamplingConfig
 from edge_spec.verify import expected_tokens_per_pass
 from runtime.drafters.base import Drafter, Proposal
+from runtime.drafters.draft_model import DraftModelDrafter
 from runtime.engine import Engine
 from runtime.gamma import CostModel, GammaConfig, GammaController
 from runtime.kv_cache import KVCache
@@ -296,6 +299,113 @@ def test_a_probe_that_wins_keeps_probing_alive():
     for _ in range(30):
         controller.update(1, 1)  # ... and so is every later draft: α climbs, speculation wins
     assert controller.choose(draft_step_cost=0.2) >= 1 and controller.failed_probes == 0
+
+
+def test_ledger_switches_off_a_drafter_whose_rounds_lose():
+    """Predicted wins that the clock does not confirm (a bad α estimate, draft replay) stop
+    once they have lost max_loss of the sequence's plain time."""
+    costs = _costs({1: 1.0, 2: 1.1, 3: 1.2})
+    controller = _with_alpha(0.9, costs, GammaConfig(max_loss=0.05))
+    controller.start(horizon_tokens=100)  # budget: 0.05 · 100 tokens · 1 s = 5 s
+    rounds = 0
+    while controller.choose(draft_step_cost=0.05):
+        controller.record_round(seconds=3.0, n_tokens=1)  # each round loses 2 s against plain
+        rounds += 1
+        assert rounds < 10
+    assert rounds == 3 and controller.loss_seconds == pytest.approx(6.0)
+    assert all(controller.choose(0.05) == 0 for _ in range(100))  # no probes either
+    controller.start(horizon_tokens=100)  # a new sequence opens a new ledger
+    assert controller.choose(0.05) >= 1
+
+
+def test_ledger_wins_earn_room_for_later_losses():
+    costs = _costs({1: 1.0, 2: 1.1, 3: 1.2})
+    controller = _with_alpha(0.9, costs, GammaConfig(max_loss=0.01))
+    controller.start(horizon_tokens=100)  # budget 1 s
+    controller.record_round(seconds=1.2, n_tokens=3)  # won 1.8 s
+    controller.record_round(seconds=3.5, n_tokens=1)  # lost 2.5 s: net loss 0.7 s, within budget
+    assert not controller.over_budget() and controller.choose(0.05) >= 1
+    controller.record_round(seconds=1.5, n_tokens=1)  # net loss 1.2 s
+    assert controller.over_budget() and controller.choose(0.05) == 0
+
+
+def test_loop_feeds_the_ledger_what_rounds_took():
+    """decode_steps records every speculative round's wall time and tokens in its drafter's
+    ledger, and none for plain steps."""
+    lm = ToyLM(5)
+    target = ToyRunner(lm)
+    costs = CostModel()
+    controller = GammaController(GammaConfig(max_loss=0.0, min_gain=0.0), costs, prior_alpha=0.9)
+    controller.start(horizon_tokens=10)
+
+    class SlowDrafter(ScriptedDrafter):
+        def propose(self, tokens, gamma, sampling, rng):
+            time.sleep(0.02)  # far more than the toy target's passes for the tokens it drafts
+            return super().propose(tokens, gamma, sampling, rng)
+
+    drafter = SlowDrafter(lm)
+    controllers = {drafter.name: controller}
+    steps = decode_steps(target, drafter, PROMPT, GREEDY, np.random.default_rng(0), controllers, costs)
+    first = next(steps)
+    assert first.n_drafted >= 1 and controller.loss_seconds > 0  # what the round took, measured
+    later = [next(steps) for _ in range(5)]
+    assert all(step.n_drafted == 0 for step in later)  # over budget: plain steps only
+
+
+def test_replay_is_priced_into_the_round_that_pays_it():
+    costs = _costs({1: 1.0, 2: 1.1, 3: 1.2, 5: 1.4})
+    controller = _with_alpha(0.9, costs, GammaConfig(probe_first=100))
+    assert controller.choose(draft_step_cost=0.1) >= 1  # a cheap, accurate draft wins ...
+    assert controller.choose(draft_step_cost=0.1, replay_seconds=10.0) == 0  # ... unless it must first replay 10 s
+    assert controller.expected_speedup(2, 0.1, 3.0) == pytest.approx(
+        expected_tokens_per_pass(0.9, 2) * 1.0 / (3.0 + 2 * 0.1 + costs.target_cost(3)))
+
+
+def test_a_probe_the_ledger_cannot_afford_is_not_run():
+    costs = _costs({1: 1.0, 2: 1.0})
+    config = GammaConfig(probe_first=2, probe_every=2, max_failed_probes=100, max_loss=0.05)
+    cheap = _with_alpha(0.5, costs, config)
+    cheap.start(horizon_tokens=100)  # budget 5 s
+    assert [cheap.choose(draft_step_cost=3.0) for _ in range(2)] == [0, 1]  # expected loss 2.5 s: affordable
+    costly = _with_alpha(0.5, costs, config)
+    costly.start(horizon_tokens=100)
+    # With 10 s of replay ahead the probe would lose ~10 s: more than the whole budget.
+    assert [costly.choose(draft_step_cost=3.0, replay_seconds=10.0) for _ in range(6)] == [0] * 6
+
+
+def test_replay_cost_is_measured_per_token():
+    costs = CostModel(smoothing=1.0)
+    assert costs.replay_cost("model", 4) == 0.0  # nothing known: no price
+    costs.record_draft("model", 2, 0.04)
+    assert costs.replay_cost("model", 4) == pytest.approx(0.08)  # until measured: a draft step per token
+    costs.record_replay("model", 8, 0.04)
+    assert costs.replay_cost("model", 4) == pytest.approx(0.02) and costs.replay_cost("model", 0) == 0.0
+
+
+def test_draft_model_reports_the_tokens_it_must_replay():
+    lm = ToyLM(3)
+    drafter = DraftModelDrafter(ToyRunner(lm))
+    tokens = np.array(PROMPT, dtype=np.int64)
+    drafter.reset(tokens[:-1])  # as the loop does: the pending last token is not fed
+    assert drafter.replay_tokens(tokens) == 0
+    later = np.concatenate([tokens, lm.greedy(PROMPT, 3)])  # three plain rounds committed tokens
+    assert drafter.replay_tokens(later) == 3
+    proposal = drafter.propose(later, 2, GREEDY, np.random.default_rng(0))
+    assert proposal.catch_up_tokens == 3 and proposal.catch_up_seconds > 0
+    assert proposal.tokens.tolist() == lm.greedy(later.tolist(), 2)  # the replayed cache drafts right
+
+
+def test_a_new_sequence_keeps_alpha_but_not_the_weight_of_its_evidence():
+    controller = GammaController(GammaConfig(decay=1.0, prior_weight=4.0), CostModel(), prior_alpha=0.5)
+    for _ in range(50):
+        controller.update(2, 0)  # a long run of rejections: α ≈ 0.02, backed by ~50 rounds
+    alpha = controller.alpha
+    controller.start()
+    assert controller.alpha == pytest.approx(alpha)  # the estimate carries over ...
+    assert controller.n_accepted + controller.n_rejected == pytest.approx(4.0)  # ... as a prior worth 4 rounds
+    for _ in range(4):
+        controller.update(3, 3)  # so a few accepted rounds of another kind of text overturn it
+    assert controller.alpha > 0.7
 
 
 def test_alpha_update_is_the_truncated_geometric_mle():

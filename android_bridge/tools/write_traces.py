@@ -129,18 +129,26 @@ def gamma_traces() -> list[dict]:
         for block, seconds in target.items():
             costs.record_target(block, seconds)
         step_cost = [0.0, 0.001, 0.004, 0.02][i % 4]
-        config = GammaConfig(probe_first=2, probe_every=5, max_failed_probes=[2, 3, 100][i % 3])
+        config = GammaConfig(probe_first=2, probe_every=5, max_failed_probes=[2, 3, 100][i % 3], max_loss=[0.01, 0.05, 1.0, 0.2][i % 4])
         controller = GammaController(config, costs, prior_alpha=[0.6, 0.2, 0.9][i % 3])
+        horizon = [64, 128, 256][i % 3]
+        controller.start(horizon)
         rounds = []
+        replay = [0.0, 0.02, 0.2][(i // 4) % 3]
         for _ in range(40):
-            gamma = controller.choose(step_cost)
+            gamma = controller.choose(step_cost, replay)
             accepted = int(gen.integers(0, gamma + 1)) if gamma else 0
+            # Rounds that take longer than predicted (every other case 3x) run the loss ledger dry.
+            slow = 3.0 if i % 2 else 1.0
+            seconds = float((gamma * step_cost + target[min(target, key=lambda b: abs(b - gamma - 1))]) * gen.uniform(0.8, 1.6) * slow)
             if gamma:
                 controller.update(gamma, accepted)
-            rounds.append([gamma, accepted])
+                controller.record_round(seconds, accepted + 1)
+            rounds.append([gamma, accepted, seconds])
         cases.append({"target_costs": {str(k): v for k, v in target.items()}, "step_cost": step_cost,
                       "prior_alpha": [0.6, 0.2, 0.9][i % 3], "probe_first": config.probe_first, "probe_every": config.probe_every,
-                      "max_failed_probes": config.max_failed_probes, "rounds": rounds})
+                      "max_failed_probes": config.max_failed_probes, "max_loss": config.max_loss, "horizon": horizon, "replay": replay,
+                      "rounds": rounds})
     return cases
 
 

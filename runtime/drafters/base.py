@@ -22,12 +22,14 @@ class Proposal:
     # Seconds spent feeding the draft tokens it had not seen (after plain steps): a one-off,
     # not part of what a draft step costs, so the cost model leaves it out.
     catch_up_seconds: float = 0.0
+    catch_up_tokens: int = 0
 
     @classmethod
-    def of(cls, tokens: list[int], draft_probs: list[np.ndarray | None], trunk_hidden: np.ndarray | None = None, catch_up_seconds: float = 0.0) -> "Proposal":
+    def of(cls, tokens: list[int], draft_probs: list[np.ndarray | None], trunk_hidden: np.ndarray | None = None,
+           catch_up_seconds: float = 0.0, catch_up_tokens: int = 0) -> "Proposal":
         """From per-token picks; q is None when drafted greedily (no distribution needed)."""
         probs = None if draft_probs[0] is None else np.stack(draft_probs)  # [γ,V]
-        return cls(np.array(tokens, dtype=np.int64), probs, trunk_hidden, catch_up_seconds)
+        return cls(np.array(tokens, dtype=np.int64), probs, trunk_hidden, catch_up_seconds, catch_up_tokens)
 
 
 class Drafter(ABC):
@@ -39,6 +41,11 @@ class Drafter(ABC):
     def propose(self, tokens: np.ndarray, gamma: int, sampling: SamplingConfig, rng: np.random.Generator) -> Proposal | None:
         """Up to γ tokens to follow `tokens` (committed, the last one not yet fed to the
         target), or None when there is nothing worth verifying."""
+
+    def replay_tokens(self, tokens: np.ndarray) -> int:
+        """Tokens this drafter must feed itself before it can draft after `tokens` (a draft
+        model that sat out plain or copy rounds); the round that drafts next pays for them."""
+        return 0
 
     def select(self, tokens: np.ndarray) -> "Drafter":
         """The drafter that proposes this round (a mixed drafter picks one of its parts)."""

@@ -25,12 +25,11 @@ class DraftModelDrafter(Drafter):
         # Catch up on what the draft has not seen: the whole prompt at first, then the one or
         # two tokens the last round committed.
         missing = tokens[cache.kv_len :]
+        replay = self.replay_tokens(tokens)
         began = time.perf_counter()
         if len(missing) > 1:
             self.runner.prefill(missing[:-1])
-        # More than the one token a round leaves unfed is replay after plain or copy rounds: a
-        # one-off, not what a draft step costs.
-        catch_up = time.perf_counter() - began if len(missing) > 2 else 0.0
+        catch_up = time.perf_counter() - began if replay else 0.0
         logits = self.runner.forward(missing[-1:], n_logits=1)[-1]  # [V]
         drafted, draft_probs = [], []
         for i in range(gamma):
@@ -39,7 +38,13 @@ class DraftModelDrafter(Drafter):
             draft_probs.append(token_probs)
             if i + 1 < gamma:
                 logits = self.runner.forward([token])[-1]  # [V]
-        return Proposal.of(drafted, draft_probs, catch_up_seconds=catch_up)
+        return Proposal.of(drafted, draft_probs, catch_up_seconds=catch_up, catch_up_tokens=replay)
+
+    def replay_tokens(self, tokens):
+        # More than the one token a round leaves unfed is replay after plain or copy rounds: a
+        # one-off, not what a draft step costs.
+        missing = len(tokens) - self.runner.cache.kv_len
+        return missing - 1 if missing > 2 else 0
 
     def accepted(self, tokens, n_accepted):
         # Never keep a row for the pending (last) token: the next round feeds it first.

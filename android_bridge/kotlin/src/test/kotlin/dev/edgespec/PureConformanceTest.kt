@@ -79,13 +79,15 @@ class PureConformanceTest {
             val table = case.getJSONObject("target_costs")
             for (k in table.keys().asSequence().sortedBy { it.toInt() }) costs.recordTarget(k.toInt(), table.getDouble(k))
             val config = GammaConfig(probeFirst = case.getInt("probe_first"), probeEvery = case.getInt("probe_every"),
-                maxFailedProbes = case.getInt("max_failed_probes"))
+                maxFailedProbes = case.getInt("max_failed_probes"), maxLoss = case.getDouble("max_loss"))
             val controller = GammaController(config, costs, case.getDouble("prior_alpha"))
+            controller.start(case.getInt("horizon"))
             val rounds = case.getJSONArray("rounds")
             for (r in 0 until rounds.length()) {
-                val (gamma, accepted) = rounds.getJSONArray(r).ints().let { it[0] to it[1] }
-                assertEquals(gamma, controller.choose(case.getDouble("step_cost")), "case $n round $r")
-                if (gamma > 0) controller.update(gamma, accepted)
+                val round = rounds.getJSONArray(r)
+                val gamma = round.getInt(0); val accepted = round.getInt(1)
+                assertEquals(gamma, controller.choose(case.getDouble("step_cost"), case.getDouble("replay")), "case $n round $r")
+                if (gamma > 0) { controller.update(gamma, accepted); controller.recordRound(round.getDouble(2), accepted + 1) }
             }
         }
     }

@@ -84,9 +84,9 @@ class Engine(val bundleDir: File, val config: EngineConfig = EngineConfig(), sta
 
     fun encode(text: String, addSpecialTokens: Boolean = true): IntArray = tokenizer.encode(text, addSpecialTokens)
 
-    fun controllers(): Map<String, GammaController> {
+    fun controllers(horizonTokens: Int = 256): Map<String, GammaController> {
         val gc = GammaConfig(fixed = gamma, maxGamma = config.maxGamma)
-        return drafter?.parts()?.associate { it.name to GammaController(gc, costs) } ?: emptyMap()
+        return drafter?.parts()?.associate { it.name to GammaController(gc, costs).also { c -> c.start(horizonTokens) } } ?: emptyMap()
     }
 
     /** Generates from prompt ids; `onPiece` receives text as tokens are accepted; `cancelled` is polled per pass. */
@@ -105,7 +105,7 @@ class Engine(val bundleDir: File, val config: EngineConfig = EngineConfig(), sta
         var stopReason: String? = null
         var text = ""
         val active = if (speculative) drafter else null
-        val ctrls = if (active != null) controllers() else emptyMap()
+        val ctrls = if (active != null) controllers(config.maxNewTokens) else emptyMap()
         for (step in Loop.decodeSteps(target, active, LongArray(promptIds.size) { promptIds[it].toLong() }, config.sampling, random, ctrls, costs)) {
             steps.add(step)
             var new = step.tokens

@@ -47,11 +47,12 @@ object Loop {
             drafter?.accepted(tokens, nAccepted)
             val draftS = (drafted - began) / 1e9
             val targetS = (verified - drafted) / 1e9
+            costs.recordTarget(block.size, targetS)
             if (nDrafted > 0) {
                 controllers.getValue(active!!.name).update(nDrafted, nAccepted)
+                controllers.getValue(active.name).recordRound(draftS + targetS, newTokens.size)
                 if (active.costsPasses) costs.recordDraft(active.name, nDrafted, draftS)
             }
-            costs.recordTarget(block.size, targetS)
             yield(Step(newTokens.map { it.toInt() }, nGamma, nDrafted, nAccepted, draftS, targetS, if (nDrafted > 0) active!!.name else null))
         }
     }

@@ -1,0 +1,218 @@
+"""edge-spec beside llama.cpp and onnxruntime-genai on the same prompts, interleaved per prompt.
+
+    python benchmarks/anchors/run_anchors.py BUNDLE --prompts humaneval:20,benchmarks/prompts/edit.jsonl \
+        --max-new-tokens 128 --out DIR [--anchors DIR] [--configs NAME,...]
+
+Every prompt is rendered once with the bundle's chat template and the same text goes to every
+runtime (llama.cpp and onnxruntime-genai parse the special tokens in it). Per prompt, every
+configuration runs back to back, so machine drift spreads over all of them. Decode tokens/s is
+each runtime's own decode timing: llama.cpp's `eval time` (plain) and `decoded N tokens in`
+(speculative-simple), onnxruntime-genai timed around its generate loop after the prefill,
+edge-spec's GenerationResult. Greedy everywhere, 2 threads (the machine's cores).
+The anchors are built by benchmarks/anchors/setup.sh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from runtime.bench import load_prompts  # noqa: E402
+from runtime.engine import Engine, EngineConfig, GenerateConfig  # noqa: E402
+from edge_spec.catalog import models_dir  # noqa: E402
+
+CONFIGS = ("edge-plain", "edge-auto", "llama-plain", "llama-ngram", "llama-draft", "genai-plain", "genai-ngram", "genai-draft")
+
+
+def _llama(anchors: Path, tool: str, args: list[str], prompt_file: Path, max_new_tokens: int, threads: int) -> str:
+    command = [str(anchors / "llama.cpp/build/bin" / tool), "-f", str(prompt_file), "-n", str(max_new_tokens), "-t", str(threads),
+               "-c", "4096", "--temp", "0", "--seed", "0", *args]
+    env = dict(os.environ, LD_LIBRARY_PATH=str(anchors / "llama.cpp/build/bin"))
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"{tool} failed ({done.returncode}): {done.stderr[-2000:]}")
+    return done.stdout + done.stderr
+
+
+def parse_completion_log(log: str) -> dict:
+    """llama-completion's perf lines: `prompt eval time = X ms / N tokens` and `eval time = X ms / N runs`."""
+    prompt = re.search(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", log)
+    evals = re.search(r"(?<!prompt )eval time =\s*([\d.]+) ms /\s*(\d+) runs", log)
+    if not evals:
+        raise RuntimeError(f"llama-completion: no eval timing in its log:\n{log[-2000:]}")
+    ms, runs = float(evals.group(1)), int(evals.group(2))
+    # The first new token comes out of the prompt pass; `runs` are the decode passes after it.
+    return {"tokens_per_s": runs / (ms / 1e3), "new_tokens": runs + 1, "prefill_ms": float(prompt.group(1)) if prompt else None,
+            "acceptance_rate": None}
+
+
+def parse_speculative_log(log: str) -> dict:
+    """llama-speculative-simple's summary: `encoded/decoded N tokens in S seconds`, n_drafted, n_accept."""
+    decoded = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)
+    encoded = re.search(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)
+    drafted = re.search(r"n_drafted\s*=\s*(\d+)", log)
+    accepted = re.search(r"n_accept\s*=\s*(\d+)", log)
+    if not decoded:
+        raise RuntimeError(f"llama-speculative-simple: no decode timing in its log:\n{log[-2000:]}")
+    n, seconds = int(decoded.group(1)), float(decoded.group(2))
+    n_drafted = int(drafted.group(1)) if drafted else 0
+    return {"tokens_per_s": n / seconds, "new_tokens": n, "prefill_ms": float(encoded.group(2)) * 1e3 if encoded else None,
+            "acceptance_rate": int(accepted.group(1)) / n_drafted if n_drafted else None, "drafted": n_drafted}
+
+
+def llama_plain(anchors, target_gguf, prompt_file, max_new_tokens, threads) -> dict:
+    return parse_completion_log(_llama(anchors, "llama-completion", ["-m", str(target_gguf), "-no-cnv"], prompt_file, max_new_tokens, threads))
+
+
+def llama_spec(anchors, target_gguf, prompt_file, max_new_tokens, threads, extra: list[str]) -> dict:
+    return parse_speculative_log(_llama(anchors, "llama-speculative-simple", ["-m", str(target_gguf), *extra], prompt_file, max_new_tokens, threads))
+
+
+class GenaiWorker:
+    def __init__(self, anchors: Path):
+        python = anchors / "genai-venv/bin/python"
+        env = dict(os.environ)
+        env.pop("PYTHONPATH", None)
+        self.process = subprocess.Popen([str(python), str(Path(__file__).with_name("genai_worker.py"))], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True, env=env, cwd=str(anchors))
+
+    def run(self, **request) -> dict:
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError("the onnxruntime-genai worker exited (see its stderr above)")
+        return json.loads(line)
+
+    def close(self):
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("bundle")
+    parser.add_argument("--prompts", default="humaneval:20,benchmarks/prompts/edit.jsonl")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--anchors", default=os.environ.get("ANCHORS", str(Path.home() / ".cache/edge-spec/anchors")))
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    args = parser.parse_args(argv)
+    anchors, out = Path(args.anchors), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = sorted(set(configs) - set(CONFIGS))
+    if unknown:
+        parser.error(f"unknown configs {unknown} (choose from {', '.join(CONFIGS)})")
+    models = models_dir()
+    target_gguf, draft_gguf = models / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", models / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    prompts = load_prompts(args.prompts)
+
+    engine = Engine(args.bundle, EngineConfig(drafter="auto", threads=args.threads))
+    generate = GenerateConfig(max_new_tokens=args.max_new_tokens)
+    genai = GenaiWorker(anchors) if any(c.startswith("genai") for c in configs) else None
+    genai_models = {"genai-plain": anchors / "genai/qwen-1.5b", "genai-ngram": anchors / "genai/qwen-1.5b", "genai-draft": anchors / "genai/spec-1.5b-0.5b"}
+    if genai:  # first-run costs (weight prepacking, allocations) stay out of the timed runs
+        text = engine.tokenizer.render_chat(list(prompts[0].messages)) if prompts[0].messages else prompts[0].prompt
+        for config in (c for c in configs if c.startswith("genai")):
+            genai.run(model=str(genai_models[config]), prompt=text, mode=config.split("-", 1)[1], max_new_tokens=8, ngram_size=3, max_draft_tokens=4)
+    engine.generate(engine.tokenizer.encode("warm up"), GenerateConfig(max_new_tokens=8))
+    runs = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for number, prompt in enumerate(prompts, start=1):
+            text = engine.tokenizer.render_chat(list(prompt.messages)) if prompt.messages else prompt.prompt
+            prompt_file = Path(scratch) / "prompt.txt"
+            prompt_file.write_text(text, encoding="utf-8")
+            ids = engine.tokenizer.encode(text, add_special_tokens=prompt.messages is None)
+            outputs = {}
+            for config in configs:
+                began = time.perf_counter()
+                if config.startswith("edge"):
+                    result = engine.generate(ids, generate, speculative=config == "edge-auto")
+                    row = {"tokens_per_s": result.timings["decode_tokens_per_s"], "new_tokens": len(result.token_ids),
+                           "prefill_ms": result.timings["prefill_ms"], "acceptance_rate": result.stats["acceptance_rate"],
+                           "tokens_per_pass": result.stats["tokens_per_pass"]}
+                    outputs[config] = result.token_ids
+                elif config == "llama-plain":
+                    row = llama_plain(anchors, target_gguf, prompt_file, args.max_new_tokens, args.threads)
+                elif config == "llama-ngram":
+                    row = llama_spec(anchors, target_gguf, prompt_file, args.max_new_tokens, args.threads, ["--spec-type", "ngram-simple"])
+                elif config == "llama-draft":
+                    row = llama_spec(anchors, target_gguf, prompt_file, args.max_new_tokens, args.threads, ["-md", str(draft_gguf), "--spec-type", "draft-simple"])
+                else:
+                    mode = config.split("-", 1)[1]
+                    row = genai.run(model=str(genai_models[config]), prompt=text, mode=mode, max_new_tokens=args.max_new_tokens,
+                                    ngram_size=3, max_draft_tokens=4 if mode == "ngram" else 8)
+                    outputs[config] = row.pop("tokens")
+                row.update(config=config, runtime=config.split("-")[0], category=prompt.category, prompt_id=prompt.id,
+                           wall_s=time.perf_counter() - began)
+                runs.append(row)
+                print(f"[{number}/{len(prompts)}] {prompt.id} {config}: {row['tokens_per_s']:.1f} tok/s", flush=True)
+            if "edge-plain" in outputs and "edge-auto" in outputs:
+                runs[-len(configs) + configs.index("edge-auto")]["identical_to_plain"] = outputs["edge-auto"] == outputs["edge-plain"]
+    if genai:
+        genai.close()
+    summary = summarize(runs, configs)
+    results = {"bundle": args.bundle, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "threads": args.threads,
+               "started": time.strftime("%Y-%m-%d %H:%M:%S"), "configs": configs, "runs": runs, "summary": summary}
+    (out / "anchors.json").write_text(json.dumps(results, indent=1))
+    (out / "anchors.md").write_text("\n".join(report(results)) + "\n")
+    print("\n".join(report(results)))
+    return 0
+
+
+def report(results: dict) -> list[str]:
+    """A Markdown table per category: median (q1–q3) decode tokens/s, acceptance, and
+    edge-auto's and edge-plain's median per-prompt ratios to each configuration."""
+    lines = []
+    for category, entry in results["summary"].items():
+        rows = [row for row in results["runs"] if row["category"] == category]
+        lines += [f"### {category} ({entry[results['configs'][0]]['runs']} prompts, {results['max_new_tokens']} new tokens)", "",
+                  "| configuration | decode tok/s median (q1–q3) | acceptance (median) | edge-auto ÷ it | edge-plain ÷ it |", "|---|---|---|---|---|"]
+        plain = {row["prompt_id"]: row["tokens_per_s"] for row in rows if row["config"] == "edge-plain"}
+        for config in results["configs"]:
+            speeds = [row["tokens_per_s"] for row in rows if row["config"] == config]
+            accepted = [row["acceptance_rate"] for row in rows if row["config"] == config and row.get("acceptance_rate") is not None]
+            ratios = [plain[row["prompt_id"]] / row["tokens_per_s"] for row in rows if row["config"] == config and row["prompt_id"] in plain]
+            q1, q3 = (statistics.quantiles(speeds, n=4)[i] for i in (0, 2)) if len(speeds) > 1 else (speeds[0], speeds[0])
+            auto_ratio = entry[config]["edge_auto_over_this"]
+            cells = [f"{statistics.median(speeds):.1f} ({q1:.1f}–{q3:.1f})", f"{statistics.median(accepted):.2f}" if accepted else "–",
+                     f"{auto_ratio:.2f}" if auto_ratio else "–", f"{statistics.median(ratios):.2f}" if ratios else "–"]
+            lines.append(f"| {config} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
+def summarize(runs: list[dict], configs: list[str]) -> dict:
+    """Median tokens/s per config and category, and edge-auto's per-prompt ratio to each."""
+    by = defaultdict(dict)
+    for row in runs:
+        by[(row["category"], row["prompt_id"])][row["config"]] = row["tokens_per_s"]
+    summary = {}
+    for category in sorted({row["category"] for row in runs}):
+        prompts = {pid: rows for (cat, pid), rows in by.items() if cat == category}
+        entry = {}
+        for config in configs:
+            values = [rows[config] for rows in prompts.values() if config in rows]
+            ratios = [rows["edge-auto"] / rows[config] for rows in prompts.values() if config in rows and "edge-auto" in rows]
+            entry[config] = {"tokens_per_s": statistics.median(values) if values else None, "runs": len(values),
+                             "edge_auto_over_this": statistics.median(ratios) if ratios else None}
+        summary[category] = entry
+    return summary
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""The side-by-side runner's parsing of llama.cpp logs and its summary (benchmarks/anchors)."""
+
+import pytest
+
+from benchmarks.anchors.run_anchors import parse_completion_log, parse_speculative_log, report, summarize
+
+COMPLETION_LOG = """
+llama_perf_sampler_print:    sampling time =      12.00 ms /   173 runs   (    0.07 ms per token, 14416.67 tokens per second)
+llama_perf_context_print:        load time =     900.00 ms
+llama_perf_context_print: prompt eval time =    2000.00 ms /    45 tokens (   44.44 ms per token,    22.50 tokens per second)
+llama_perf_context_print:        eval time =    6350.00 ms /   127 runs   (   50.00 ms per token,    20.00 tokens per second)
+"""
+
+SPECULATIVE_LOG = """
+0.05.100.000 I encoded   45 tokens in    2.000 seconds, speed:   22.500 t/s
+0.09.100.000 I decoded  128 tokens in    4.000 seconds, speed:   32.000 t/s
+0.09.100.100 I n_draft   = 3
+0.09.100.200 I n_predict = 128
+0.09.100.300 I n_drafted = 90
+0.09.100.400 I n_accept  = 72
+"""
+
+
+def test_completion_log_gives_decode_rate_not_prompt_rate():
+    row = parse_completion_log(COMPLETION_LOG)
+    assert row["tokens_per_s"] == pytest.approx(127 / 6.35) and row["prefill_ms"] == 2000.0 and row["new_tokens"] == 128
+
+
+def test_speculative_log_gives_rate_and_acceptance():
+    row = parse_speculative_log(SPECULATIVE_LOG)
+    assert row["tokens_per_s"] == pytest.approx(32.0) and row["acceptance_rate"] == pytest.approx(0.8)
+    assert row["prefill_ms"] == pytest.approx(2000.0) and row["drafted"] == 90
+
+
+def test_a_log_without_timings_is_an_error_that_shows_the_log():
+    with pytest.raises(RuntimeError, match="no eval timing"):
+        parse_completion_log("error: failed to load model")
+    with pytest.raises(RuntimeError, match="failed to initialize"):
+        parse_speculative_log("E failed to initialize speculative decoding")
+
+
+def test_summary_ratios_are_per_prompt_medians():
+    speeds = {"p1": {"edge-plain": 20.0, "edge-auto": 30.0, "llama-ngram": 25.0},
+              "p2": {"edge-plain": 18.0, "edge-auto": 20.0, "llama-ngram": 40.0},
+              "p3": {"edge-plain": 19.0, "edge-auto": 38.0, "llama-ngram": 19.0}}
+    runs = [{"category": "code", "prompt_id": pid, "config": config, "tokens_per_s": v, "acceptance_rate": None}
+            for pid, row in speeds.items() for config, v in row.items()]
+    configs = ["edge-plain", "edge-auto", "llama-ngram"]
+    summary = summarize(runs, configs)
+    assert summary["code"]["llama-ngram"]["tokens_per_s"] == 25.0
+    assert summary["code"]["llama-ngram"]["edge_auto_over_this"] == pytest.approx(1.2)  # median of 1.2, 0.5, 2.0
+    table = report({"summary": summary, "runs": runs, "configs": configs, "max_new_tokens": 128})
+    assert any(line.startswith("| llama-ngram | 25.0") and "| 1.20 |" in line for line in table)
