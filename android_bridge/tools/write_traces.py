@@ -249,7 +249,7 @@ def generation_trace(engine, prompt_ids, drafter: str, gamma: int, sampling: Sam
     rng = RecordingRng(sampling.seed)
     eos = engine.tokenizer.eos_token_ids
     steps, generated = [], []
-    for step in decode_steps(engine.target, engine.drafter, prompt_ids, sampling, rng, engine._controllers(), engine.costs):
+    for step in decode_steps(engine.target, engine.drafter, prompt_ids, sampling, rng, engine._controllers(max_new), engine.costs):
         steps.append({"tokens": list(step.tokens), "gamma": step.gamma, "drafted": step.n_drafted, "accepted": step.n_accepted,
                       "drafter": step.drafter})
         new = list(step.tokens)
