@@ -220,11 +220,11 @@ class Engine:
                     part.propose(token[:2], steps, SamplingConfig(), np.random.default_rng(0))
                     if repeat:
                         self.costs.record_draft(part.name, steps, time.perf_counter() - began)
-                    # Replay: a draft model that sat out γmax+1 committed tokens feeds them first.
-                    part.reset(token[:1])
-                    if repeat and part.replay_tokens(token):
-                        proposal = part.propose(token, 1, SamplingConfig(), np.random.default_rng(0))
-                        self.costs.record_replay(part.name, proposal.catch_up_tokens, proposal.catch_up_seconds)
+                    if repeat:  # replay: a draft model that sat out γmax+1 committed tokens feeds them first
+                        part.reset(token[:1])
+                        if part.replay_tokens(token):
+                            proposal = part.propose(token, 1, SamplingConfig(), np.random.default_rng(0))
+                            self.costs.record_replay(part.name, proposal.catch_up_tokens, proposal.catch_up_seconds)
         self.target.cache.reset()
         self.drafter.reset()
 

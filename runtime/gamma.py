@@ -124,9 +124,9 @@ class GammaController:
         self.loss_seconds += seconds - n_tokens * self.costs.target_cost(1)
 
     def over_budget(self, at_risk: float = 0.0) -> bool:
-        """The ledger: speculation with this drafter has lost, or would lose if the next round
-        (putting at_risk seconds on the line) failed, more than max_loss of the sequence's
-        plain time. Wins earn room for later rounds."""
+        """The ledger: speculation with this drafter has lost, or would lose with at_risk more
+        seconds (a probe's expected loss), more than max_loss of the sequence's plain time.
+        Wins earn room for later rounds."""
         return self.loss_seconds + at_risk > self.config.max_loss * self.horizon_tokens * self.costs.target_cost(1)
 
     def round_cost(self, gamma: int, draft_step_cost: float, replay_seconds: float = 0.0) -> float:
