@@ -62,8 +62,10 @@ fi
 command -v "$PYTHON" >/dev/null || fail "PYTHON=$PYTHON not found"
 ORT_LINUX_LIB=$("$PYTHON" -c 'import glob, os, onnxruntime; print(sorted(glob.glob(os.path.join(os.path.dirname(onnxruntime.__file__), "capi", "libonnxruntime.so.1*")))[-1])') \
     || fail "$PYTHON has no onnxruntime wheel (its Linux libonnxruntime stands in for the AAR's Android one)"
-rm -rf "$BUILD/traces"
-(cd "$ROOT" && "$PYTHON" "$HERE/tools/write_traces.py" "$BUILD/traces" > "$BUILD/traces.log" 2>&1; echo $? > "$BUILD/traces.rc") &
+rm -rf "$BUILD/traces" "$BUILD/traces.rc"
+# The subshell inherits set -e: a failing write_traces.py must still leave its status behind
+# (an early exit would leave no traces.rc, or, before this rm, a stale 0 from the last run).
+(cd "$ROOT" && { "$PYTHON" "$HERE/tools/write_traces.py" "$BUILD/traces" > "$BUILD/traces.log" 2>&1 && echo 0 || echo $?; } > "$BUILD/traces.rc") &
 TRACES_PID=$!
 
 # 4. Test-only stand-ins that let the AAR's bionic-linked x86_64 JNI library load on glibc.

@@ -1,4 +1,6 @@
-"""python -m benchmarks precision MODEL BUNDLE... [--prompts N] [--out FILE.json]"""
+"""python -m benchmarks precision MODEL BUNDLE... [--prompts N] [--out FILE.json]
+python -m benchmarks ab OLD_BUNDLE NEW_BUNDLE [--blocks 1,5] [--kv-len 512] [--repeats 40] [--out FILE.json]
+python -m benchmarks spinning BUNDLE [--repeats 120] [--kv-len 512] [--out FILE.json]"""
 
 from __future__ import annotations
 
@@ -16,11 +18,32 @@ def main() -> int:
     precision.add_argument("bundles", nargs="+")
     precision.add_argument("--prompts", type=int, default=5, help="HumanEval chat prompts, besides two raw ones")
     precision.add_argument("--out", help="write the rows as JSON here")
+    ab = sub.add_parser("ab", help="one target pass and one draft step of two bundles, timed alternately")
+    ab.add_argument("old")
+    ab.add_argument("new")
+    ab.add_argument("--blocks", default="1,5", help="target block lengths T, comma-separated")
+    ab.add_argument("--kv-len", type=int, default=512, help="rows already in the KV cache")
+    ab.add_argument("--repeats", type=int, default=40)
+    ab.add_argument("--out", help="write the result as JSON here")
+    spinning = sub.add_parser("spinning", help="intra-op spinning off against spin-and-stop, timed alternately")
+    spinning.add_argument("bundle")
+    spinning.add_argument("--repeats", type=int, default=120)
+    spinning.add_argument("--kv-len", type=int, default=512, help="rows already in the KV cache")
+    spinning.add_argument("--out", help="write the result as JSON here")
     args = parser.parse_args()
 
-    from benchmarks.precision import compare
+    if args.command == "spinning":
+        from benchmarks.spinning import compare as compare_spinning
 
-    rows = compare(args.model, args.bundles, args.prompts)
+        rows = compare_spinning(args.bundle, args.repeats, args.kv_len)
+    elif args.command == "ab":
+        from benchmarks.ab_passes import compare as compare_passes
+
+        rows = compare_passes(args.old, args.new, [int(b) for b in args.blocks.split(",")], args.kv_len, args.repeats)
+    else:
+        from benchmarks.precision import compare
+
+        rows = compare(args.model, args.bundles, args.prompts)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2))
     return 0

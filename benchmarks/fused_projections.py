@@ -1,7 +1,7 @@
 """Would fusing q/k/v and gate/up into one MatMulNBits each speed up a pass? A synthetic
 28-layer graph with the Qwen2.5-1.5B shapes (hidden 1536, intermediate 8960, 2 KV heads of 128),
 int4 block 32, accuracy level 4, random weights, MatMulNBits only (no attention), timed for
-T = 1 and 4 with both graphs alternating; 2 threads, no spinning, as the runtime runs.
+T = 1 and 4 with both graphs alternating; 2 threads, spinning off (as the runtime ran when this was measured).
 
     python -m benchmarks.fused_projections
 """

@@ -1,12 +1,16 @@
-"""Trace a StageModule to an ONNX graph with a variable block length T."""
+"""Trace a StageModule to an ONNX graph with a variable block length T, then merge the
+projections that read the same activation (q/k/v, gate/up) into one MatMul each."""
 
 from __future__ import annotations
 
 import tempfile
 import warnings
+from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import onnx
+from onnx import helper, numpy_helper
 import torch
 from torch import nn
 
@@ -72,4 +76,63 @@ def export_stage(stage: StageModule, layers: range, max_context: int, hidden_siz
     got_inputs = [i.name for i in model.graph.input]
     if got_inputs != input_names:
         raise RuntimeError(f"exported graph inputs {got_inputs} differ from the contract {input_names}")
+    merge_parallel_matmuls(model)
     return model
+
+
+def merge_parallel_matmuls(model: onnx.ModelProto) -> int:
+    """Rewrite, in place, each set of MatMuls that multiply the same activation by constant
+    [K, N_i] weights into one MatMul by the concatenated [K, sum N_i] weight and a Split whose
+    outputs keep the original names. Returns how many MatMuls were merged away.
+
+    Why: a decode pass streams every weight once, and one larger kernel call (q/k/v: 3 -> 1,
+    gate/up: 2 -> 1 per layer) costs less than several small ones. Block quantization runs
+    along K per output column, so the quantized weights are the same numbers either way.
+    """
+    graph = model.graph
+    weights = {t.name: t for t in graph.initializer}
+    uses: dict[str, int] = defaultdict(int)
+    for node in graph.node:
+        for name in node.input:
+            uses[name] += 1
+    groups: dict[str, list[int]] = defaultdict(list)  # activation -> indices of its MatMuls
+    for index, node in enumerate(graph.node):
+        weight = weights.get(node.input[1]) if node.op_type == "MatMul" else None
+        # A weight shared with another node (tied) must stay whole where it is.
+        if weight is not None and len(weight.dims) == 2 and uses[weight.name] == 1:
+            groups[node.input[0]].append(index)
+    replaced: dict[int, list[onnx.NodeProto]] = {}  # first member's index -> MatMul + Split
+    dropped_nodes: set[int] = set()
+    dropped_weights: set[str] = set()
+    for x, members in groups.items():
+        nodes = [graph.node[i] for i in members]
+        arrays = [numpy_helper.to_array(weights[n.input[1]]) for n in nodes]  # each [K, N_i]
+        if len(nodes) < 2 or len({(a.shape[0], a.dtype) for a in arrays}) != 1:
+            continue
+        stem = nodes[0].output[0] + ".merged"
+        merged = numpy_helper.from_array(np.concatenate(arrays, axis=1), stem + ".weight")  # [K, sum N_i]
+        sizes = numpy_helper.from_array(np.array([a.shape[1] for a in arrays], dtype=np.int64), stem + ".sizes")
+        graph.initializer.extend([merged, sizes])
+        replaced[members[0]] = [
+            helper.make_node("MatMul", [x, merged.name], [stem], name=stem),
+            helper.make_node("Split", [stem, sizes.name], [n.output[0] for n in nodes], name=stem + ".split", axis=-1),
+        ]
+        dropped_nodes.update(members)
+        dropped_weights.update(n.input[1] for n in nodes)
+    if not replaced:
+        return 0
+    # Every member reads x, which exists before the first member: the merged pair at the first
+    # member's place keeps the node list topologically sorted.
+    rewritten = []
+    for index, node in enumerate(graph.node):
+        if index in replaced:
+            rewritten.extend(replaced[index])
+        elif index not in dropped_nodes:
+            rewritten.append(onnx.NodeProto.FromString(node.SerializeToString()))
+    del graph.node[:]
+    graph.node.extend(rewritten)
+    # Deleted one by one, in place: copying the kept initializers would double a stage's memory.
+    for index in reversed(range(len(graph.initializer))):
+        if graph.initializer[index].name in dropped_weights:
+            del graph.initializer[index]
+    return len(dropped_nodes) - len(replaced)

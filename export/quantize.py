@@ -26,8 +26,10 @@ ACCURACY_LEVEL = 4
 
 
 def save(model: onnx.ModelProto, path: Path) -> None:
-    """One graph file plus one external-data file named after it."""
-    onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True, location=path.name + ".data", size_threshold=0)
+    """One graph file plus one external-data file named after it. Tensors under 1 KiB (shape
+    arguments such as a Split's sizes) stay inline: ONNX Runtime's shape inference reads them
+    from the graph file and cannot follow them into the data file."""
+    onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True, location=path.name + ".data", size_threshold=1024)
 
 
 def _block_quantize(model: onnx.ModelProto | str, bits: int, op_types: tuple[str, ...]) -> onnx.ModelProto:

@@ -47,6 +47,10 @@ DEFINITIONS = {
     "speedup": "median over prompts of the per-prompt ratio tokens_per_s(mode) / tokens_per_s(plain), "
     "each per-prompt ratio the median over repeats of ratios paired within one repeat",
     "speedup_ratio_of_medians": "median tokens_per_s(mode) / median tokens_per_s(plain) over the category's runs",
+    "speedup_same_pass_speed": "speedup × (the run's median 1-token target pass / plain's, same prompt and repeat): the "
+    "same graph does the same work in both, so this divides out the machine's drift between the two runs; it would "
+    "also divide out a mode's own slowing of those passes, so read it beside speedup, not instead (None without "
+    "1-token passes); summarized like speedup",
     "alpha": "per-token acceptance, accepted / (accepted + rejections): the α of E(α, γ)",
     "acceptance_rate": "accepted / drafted tokens",
     "tokens_per_pass": "new tokens / target passes",
@@ -376,6 +380,7 @@ def _run_row(mode: str, prompt: BenchPrompt, repeat: int, result, steps, window:
     stats, timings = result.stats, result.timings
     passes = stats["target_passes"]
     speedup = timings["decode_tokens_per_s"] / plain["tokens_per_s"]
+    t1_ms = rounds["target_ms"].get(1)
     drafting = [s.n_drafted for s in steps if s.n_drafted]
     cost = _mode_cost(costs)
     return {
@@ -406,6 +411,7 @@ def _run_row(mode: str, prompt: BenchPrompt, repeat: int, result, steps, window:
         "draft_model_forwards": model_forwards,
         "target_pass_ms": {str(t): statistics.median(ms) for t, ms in sorted(rounds["target_ms"].items())},
         "speedup": speedup,
+        "speedup_same_pass_speed": speedup * statistics.median(t1_ms) / plain["target_t1_ms"] if t1_ms else None,
         "bound": bound,
         "bound_fraction": speedup / bound if bound else None,
         "bound_measured_verify": bound_verify,
@@ -426,9 +432,11 @@ def _summary(runs: list[dict], modes: tuple[str, ...]) -> dict:
             rows = [run for run in runs if run["mode"] == mode and run["category"] == category]
             plain_rows = [run for run in runs if run["mode"] == "plain" and run["category"] == category]
             speeds = [run["tokens_per_s"] for run in rows]
-            by_prompt = defaultdict(list)
+            by_prompt, same_speed = defaultdict(list), defaultdict(list)
             for run in rows:
                 by_prompt[run["prompt_id"]].append(run["speedup"])
+                if run["speedup_same_pass_speed"] is not None:
+                    same_speed[run["prompt_id"]].append(run["speedup_same_pass_speed"])
             histogram, by_gamma, target_ms = defaultdict(int), defaultdict(lambda: defaultdict(int)), defaultdict(list)
             for run in rows:
                 for gamma, n in run["gamma_histogram"].items():
@@ -446,6 +454,7 @@ def _summary(runs: list[dict], modes: tuple[str, ...]) -> dict:
                 "tokens_per_s_spread": _spread(speeds),
                 "speedup": _median([_median(ratios) for ratios in by_prompt.values()]),
                 "speedup_ratio_of_medians": _median(speeds) / _median([run["tokens_per_s"] for run in plain_rows]),
+                "speedup_same_pass_speed": _median([_median(ratios) for ratios in same_speed.values()]),
                 "prefill_ms": _median([run["prefill_ms"] for run in rows]),
                 "acceptance_rate": _median([run["acceptance_rate"] for run in rows]),
                 "alpha": _median([run["alpha"] for run in rows]),
@@ -600,6 +609,38 @@ def copy_bandwidth(mib: int, repeats: int) -> float:
     return 2 * src.nbytes / (median_ms / 1e3)
 
 
+class PassTimer:
+    """Single passes at a fixed cache length, for timing: the target's cache holds kv_len rows
+    (of one repeated token: content does not change the work) and every pass starts from them."""
+
+    def __init__(self, engine: Engine, kv_len: int, max_block: int):
+        self.engine, self.kv_len = engine, kv_len
+        eos = engine.bundle.manifest.tokenizer.eos_token_ids[0]
+        self.tokens = np.full(kv_len + max_block, eos, dtype=np.int64)
+        engine.target.cache.reset()
+        engine.target.prefill(self.tokens[:kv_len])
+
+    def target_pass(self, block: int) -> None:
+        target = self.engine.target
+        target.cache.rollback_to_prefix(self.tokens[:self.kv_len])
+        target.forward(self.tokens[self.kv_len : self.kv_len + block])
+
+    def draft_step(self, drafter_name: str):
+        """Switch the engine to drafter_name and return a callable that runs one draft step
+        from kv_len rows and takes it back."""
+        engine, tokens, kv_len = self.engine, self.tokens, self.kv_len
+        engine.use_drafter(drafter_name)
+        drafter, greedy, rng = engine.drafter, SamplingConfig(), np.random.default_rng(0)
+        engine.target.cache.rollback_to_prefix(tokens[:kv_len])
+        drafter.reset(tokens[:kv_len])  # a draft model prefills its own cache here
+
+        def step():
+            drafter.propose(tokens[: kv_len + 1], 1, greedy, rng)
+            drafter.accepted(tokens[: kv_len + 1], 0)  # back to kv_len rows
+
+        return step
+
+
 def run_micro(bundle: str | Path, config: MicroConfig = MicroConfig()) -> dict:
     """Target pass time for T = 1…max_block, one draft step per drafter role, and the
     memory-bandwidth floor of a 1-token pass; returns the micro.json object."""
@@ -611,15 +652,8 @@ def run_micro(bundle: str | Path, config: MicroConfig = MicroConfig()) -> dict:
     if room < 1:
         raise ValueError(f"the bundle's max context is too small to time blocks of {config.max_block} tokens")
     kv_len = min(config.kv_len, room)
-    eos = manifest.tokenizer.eos_token_ids[0]
-    tokens = np.full(kv_len + config.max_block, eos, dtype=np.int64)  # content does not change the work
-    target = engine.target
-    target.cache.reset()
-    target.prefill(tokens[:kv_len])
-
-    def target_pass(block: int):
-        target.cache.rollback_to_prefix(tokens[:kv_len])
-        target.forward(tokens[kv_len : kv_len + block])
+    timer = PassTimer(engine, kv_len, config.max_block)
+    target_pass = timer.target_pass
 
     blocks = range(1, config.max_block + 1)
     times = {block: [] for block in blocks}
@@ -632,17 +666,8 @@ def run_micro(bundle: str | Path, config: MicroConfig = MicroConfig()) -> dict:
     t1_ms = target_rows[0]["ms"]
 
     draft_steps = {}
-    greedy, rng = SamplingConfig(), np.random.default_rng(0)
     for role in roles:
-        engine.use_drafter(ROLE_DRAFTERS[role])
-        drafter = engine.drafter
-        target.cache.rollback_to_prefix(tokens[:kv_len])
-        drafter.reset(tokens[:kv_len])  # a draft model prefills its own cache here
-
-        def draft_step():
-            drafter.propose(tokens[: kv_len + 1], 1, greedy, rng)
-            drafter.accepted(tokens[: kv_len + 1], 0)  # back to kv_len rows
-
+        draft_step = timer.draft_step(ROLE_DRAFTERS[role])
         draft_step()
         stats = _ms_stats(_timed_ms(draft_step, config.repeats))
         draft_steps[role] = {"drafter": ROLE_DRAFTERS[role], **stats, "cost_ratio": stats["ms"] / t1_ms}
@@ -713,12 +738,15 @@ def _bench_section(results: dict) -> list[str]:
         "",
         "Modes run one after another on each prompt (order rotated per prompt), repeats interleaved. "
         "**speedup** is the median over prompts of the per-prompt ratio to plain (each the median over "
-        "repeats of ratios paired within a repeat); **ratio of medians** is median tok/s ÷ plain's median tok/s. "
+        "repeats of ratios paired within a repeat); **ratio of medians** is median tok/s ÷ plain's median tok/s; "
+        "**at the same pass speed** multiplies each run's speedup by its median 1-token target pass ÷ plain's (the "
+        "same graph doing the same work), dividing out the machine's drift between the two runs, and with it any "
+        "slowing of those passes the mode itself causes: read it beside speedup. "
         "Other columns are medians over runs. Prefill includes a draft model's own prefill in the modes that use one.",
         "",
         "| mode | category | decode tok/s median (q1–q3, min–max) | speedup (median of per-prompt ratios) | ratio of medians "
-        "| prefill ms | accepted/drafted | α | tokens/pass (E(α,γ)) | identical to plain |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| speedup at the same pass speed | prefill ms | accepted/drafted | α | tokens/pass (E(α,γ)) | identical to plain |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, by_category in s_all.items():
         for category, s in by_category.items():
@@ -726,7 +754,7 @@ def _bench_section(results: dict) -> list[str]:
             lines.append(
                 f"| {mode} | {category} | {_fmt(s['tokens_per_s'], '.1f')} ({_fmt(spread['q1'], '.1f')}–{_fmt(spread['q3'], '.1f')}, "
                 f"{_fmt(spread['min'], '.1f')}–{_fmt(spread['max'], '.1f')}) | {_fmt(s['speedup'])} | {_fmt(s['speedup_ratio_of_medians'])} "
-                f"| {_fmt(s['prefill_ms'], '.0f')} | {_fmt(s['acceptance_rate'])} | {_fmt(s['alpha'])} "
+                f"| {_fmt(s['speedup_same_pass_speed'])} | {_fmt(s['prefill_ms'], '.0f')} | {_fmt(s['acceptance_rate'])} | {_fmt(s['alpha'])} "
                 f"| {_fmt(s['tokens_per_pass'])} ({_fmt(s['tokens_per_pass_predicted'])}) | {s['identical_to_plain']}/{s['runs']} |"
             )
     lines += [

@@ -70,7 +70,13 @@ def test_results_runs(bench_out):
         assert sum(run["gamma_histogram"].values()) == run["target_passes"]
         assert {g: row["rounds"] for g, row in run["rounds_by_gamma"].items()} == run["gamma_histogram"]
         assert sum(row["tokens"] for row in run["rounds_by_gamma"].values()) >= run["new_tokens"]
-        assert run["speedup"] == pytest.approx(run["tokens_per_s"] / plain[run["prompt_id"], run["repeat"]]["tokens_per_s"])
+        paired = plain[run["prompt_id"], run["repeat"]]
+        assert run["speedup"] == pytest.approx(run["tokens_per_s"] / paired["tokens_per_s"])
+        if "1" in run["target_pass_ms"]:  # drift divided out through the same 1-token pass
+            assert run["speedup_same_pass_speed"] == pytest.approx(
+                run["speedup"] * run["target_pass_ms"]["1"] / paired["target_pass_ms"]["1"])
+        else:
+            assert run["speedup_same_pass_speed"] is None
         assert run["identical_to_plain"] is True  # fp32 greedy: speculation changes nothing
         assert run["ort_ms_per_pass"] > 0 and run["python_overhead_ms_per_pass"] >= 0
         if run["mode"] == "plain":
@@ -104,11 +110,14 @@ def test_results_summary(bench_out):
             assert s["tokens_per_s"] == pytest.approx(statistics.median(r["tokens_per_s"] for r in rows))
             per_prompt = [statistics.median(r["speedup"] for r in rows if r["prompt_id"] == p) for p in {r["prompt_id"] for r in rows}]
             assert s["speedup"] == pytest.approx(statistics.median(per_prompt))
+            same_speed = [statistics.median(v) for v in ([r["speedup_same_pass_speed"] for r in rows if r["prompt_id"] == p
+                                                          and r["speedup_same_pass_speed"] is not None] for p in {r["prompt_id"] for r in rows}) if v]
+            assert s["speedup_same_pass_speed"] == (pytest.approx(statistics.median(same_speed)) if same_speed else None)
             assert s["speedup_ratio_of_medians"] == pytest.approx(
                 statistics.median(r["tokens_per_s"] for r in rows) / statistics.median(r["tokens_per_s"] for r in plain_rows))
             assert s["tokens_per_s_spread"]["min"] <= s["tokens_per_s"] <= s["tokens_per_s_spread"]["max"]
     for s in summary["plain"].values():
-        assert s["speedup"] == 1.0 and s["speedup_ratio_of_medians"] == 1.0
+        assert s["speedup"] == 1.0 and s["speedup_ratio_of_medians"] == 1.0 and s["speedup_same_pass_speed"] == pytest.approx(1.0)
     assert "median over prompts" in results["definitions"]["speedup"]
 
 
@@ -205,3 +214,42 @@ def test_bench_module_is_light():
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False"
+
+
+def test_ab_passes_cli(llama_bundle, tmp_path):
+    """`python -m benchmarks ab`: both bundles' passes timed, a ratio per pass, JSON written;
+    the draft step is compared only when both bundles have a draft model."""
+    out = tmp_path / "ab.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "ab", str(llama_bundle), str(llama_bundle), "--blocks", "1,3", "--kv-len", "8",
+         "--repeats", "3", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert set(result["passes"]) == {"T=1", "T=3", "draft"}
+    for row in result["passes"].values():
+        assert row["old_ms"] > 0 and row["new_ms"] > 0
+        assert row["new_over_old"] == pytest.approx(row["new_ms"] / row["old_ms"])
+    assert "T=3: old" in done.stdout
+
+
+def test_spinning_cli(llama_bundle, tmp_path):
+    """`python -m benchmarks spinning`: both settings timed on every pass, ratios written."""
+    out = tmp_path / "spin.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks", "spinning", str(llama_bundle), "--repeats", "3", "--kv-len", "8", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert set(result["passes"]) == {"T=1", "T=5", "draft"}
+    for row in result["passes"].values():
+        assert row["spin_stop_over_off"] == pytest.approx(row["spin_stop_ms"] / row["off_ms"])
+
+
+def test_spinning_engine_restores_the_runtime_options(llama_bundle):
+    import runtime.sessions as sessions
+    from benchmarks.spinning import _engine
+
+    shipped = sessions.session_options
+    _engine(str(llama_bundle), spin=False)
+    assert sessions.session_options is shipped

@@ -229,7 +229,9 @@ def test_cpu_options_are_the_measured_ones(fake_ort, llama_bundle):
     for session in fake.created:
         assert session.providers == [CPU] and session.provider_options == [{}]
         assert session.options.enable_mem_pattern and session.options.intra_op_num_threads == 1
-        assert session.options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+        # Spin within a run, stop when it returns (so no pool spins while the next session runs).
+        assert session.options.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+        assert session.options.get_session_config_entry("session.force_spinning_stop") == "1"
 
 
 # -- a provider that is listed but fails to start ---------------------------------------------------

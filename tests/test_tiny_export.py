@@ -269,6 +269,79 @@ def test_quantized_bundle_embedding_table_is_quantized(quant, quant_bundles):
     assert any(node.op_type == "GatherBlockQuantized" for node in graph.node)
 
 
+def _weight_matmul_widths(graph) -> list[int]:
+    """Output width N of every MatMul / MatMulNBits that multiplies by a constant weight."""
+    weights = {init.name: init for init in graph.initializer}
+    widths = []
+    for node in graph.node:
+        if node.op_type == "MatMulNBits":
+            widths.append(next(a.i for a in node.attribute if a.name == "N"))
+        elif node.op_type == "MatMul" and node.input[1] in weights:
+            widths.append(weights[node.input[1]].dims[1])
+    return widths
+
+
+@pytest.mark.parametrize("which", ["llama", "qwen2", "portable", "int4"])
+def test_projections_are_merged(which, bundles, portable_bundle, quant_bundles):
+    """export/onnx_graphs.merge_parallel_matmuls: per layer one q/k/v and one gate/up
+    projection (4 weight MatMuls per layer, not 7), whatever the attention kind or precision."""
+    import onnx
+
+    bundle = {"portable": portable_bundle, "int4": quant_bundles["int4"]}.get(which) or bundles[which]
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    checked = 0
+    for model in manifest["models"].values():
+        arch = model["arch"]
+        qkv = (arch["n_heads"] + 2 * arch["n_kv_heads"]) * arch["head_dim"]
+        gate_up = 2 * (2 * arch["hidden_size"])  # tiny.py: intermediate_size = 2 * hidden_size
+        for key in model["stages"]:
+            stage = manifest["stages"][key]
+            n_layers = stage["layer_end"] - stage["layer_start"]
+            widths = _weight_matmul_widths(onnx.load(str(bundle / stage["file"]), load_external_data=False).graph)
+            assert len(widths) == 4 * n_layers + int(stage["head"]), (key, widths)
+            assert widths.count(qkv) == n_layers and widths.count(gate_up) == n_layers, (key, widths)
+            checked += n_layers
+    assert checked
+
+
+def test_merge_parallel_matmuls_keeps_outputs_and_tied_weights():
+    """Three MatMuls on x merge into one MatMul + Split with the same outputs; a weight that
+    another node also reads stays whole, and MatMuls on other activations are left alone."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from export.onnx_graphs import merge_parallel_matmuls
+
+    rng = np.random.default_rng(0)
+    w = {name: rng.standard_normal((8, n)).astype(np.float32) for name, n in (("wq", 8), ("wk", 4), ("wv", 4), ("wt", 6), ("wo", 5))}
+    nodes = [
+        helper.make_node("MatMul", ["x", "wq"], ["q"], name="q"),
+        helper.make_node("MatMul", ["x", "wk"], ["k"], name="k"),
+        helper.make_node("MatMul", ["x", "wt"], ["t"], name="t"),  # wt is also read by the Add below
+        helper.make_node("MatMul", ["x", "wv"], ["v"], name="v"),
+        helper.make_node("MatMul", ["q", "wo"], ["o"], name="o"),
+        helper.make_node("Add", ["wt", "wt"], ["tt"], name="tt"),
+    ]
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, "T", width]) for n, width in (("q", 8), ("k", 4), ("v", 4), ("t", 6), ("o", 5))]
+    outputs.append(helper.make_tensor_value_info("tt", TensorProto.FLOAT, [8, 6]))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "T", 8])], outputs,
+                              [numpy_helper.from_array(a, n) for n, a in w.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    x = rng.standard_normal((1, 3, 8)).astype(np.float32)
+    before = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+
+    assert merge_parallel_matmuls(model) == 2
+    onnx.checker.check_model(model)
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("MatMul") == 3 and ops.count("Split") == 1  # merged q/k/v, t, o
+    assert {i.name for i in model.graph.initializer} >= {"wt", "wo"} and not {"wq", "wk", "wv"} & {i.name for i in model.graph.initializer}
+    after = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    for a, b in zip(before, after):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    assert merge_parallel_matmuls(model) == 0  # idempotent: nothing left to merge
+
+
 # -- refusals and the padded-head path ---------------------------------------------------------
 
 

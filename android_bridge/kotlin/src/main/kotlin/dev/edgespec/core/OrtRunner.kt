@@ -21,6 +21,10 @@ class OrtStageRunner(private val bundleDir: File, private val settings: SessionS
     fun session(stage: StageInfo): OrtSession = sessions.getOrPut(stage.file) {
         val options = OrtSession.SessionOptions()
         if (settings.threads > 0) options.setIntraOpNumThreads(settings.threads)
+        // As the Python runtime: workers spin within a run and stop when it returns, so one
+        // stage's pool does not hold the cores while the next stage's session runs.
+        options.addConfigEntry("session.intra_op.allow_spinning", "1")
+        options.addConfigEntry("session.force_spinning_stop", "1")
         if (settings.nnapi) options.addNnapi()
         env.createSession(File(bundleDir, stage.file).path, options)
     }

@@ -1,0 +1,57 @@
+"""Intra-op spinning A/B: two Engines on one bundle in one process, one whose sessions spin
+within a run and stop when it returns (the runtime's setting), one with spinning off; their
+1-token and 5-token target passes and draft steps timed alternately.
+
+    python -m benchmarks spinning BUNDLE [--repeats 120] [--kv-len 512]
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import runtime.sessions as sessions
+from runtime.bench import PassTimer
+from runtime.engine import Engine, EngineConfig
+
+
+def _engine(bundle: str, spin: bool) -> Engine:
+    """An Engine whose sessions are built with spinning on (+ stop at run end) or off."""
+    shipped = sessions.session_options
+
+    def options(provider, config):
+        built = shipped(provider, config)
+        built.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+        built.add_session_config_entry("session.force_spinning_stop", "1" if spin else "0")
+        return built
+
+    sessions.session_options = options
+    try:
+        return Engine(bundle, EngineConfig(drafter="none", calibrate=False))
+    finally:
+        sessions.session_options = shipped
+
+
+def compare(bundle: str, repeats: int = 120, kv_len: int = 512, log=print) -> dict:
+    import onnxruntime as ort
+
+    ort.set_default_logger_severity(3)  # overwriting the shipped spin entries is intended: no warning per session
+    timers = {name: PassTimer(_engine(bundle, spin), kv_len, 5) for name, spin in (("off", False), ("spin_stop", True))}
+    actions = []
+    for name, timer in timers.items():
+        actions += [(name, "T=1", lambda t=timer: t.target_pass(1)), (name, "T=5", lambda t=timer: t.target_pass(5))]
+        if "draft" in timer.engine.bundle.manifest.drafts():
+            actions.append((name, "draft", timer.draft_step("model")))
+    times = {(name, what): [] for name, what, _ in actions}
+    for repeat in range(repeats + 1):
+        for name, what, action in actions if repeat % 2 else actions[::-1]:
+            began = time.perf_counter()
+            action()
+            if repeat:  # the first run of each shape allocates and prepacks
+                times[(name, what)].append((time.perf_counter() - began) * 1e3)
+    rows = {}
+    for what in dict.fromkeys(what for _, what, _ in actions):
+        off, spin = statistics.median(times[("off", what)]), statistics.median(times[("spin_stop", what)])
+        rows[what] = {"off_ms": off, "spin_stop_ms": spin, "spin_stop_over_off": spin / off}
+        log(f"{what}: spinning off {off:.1f} ms, spin + stop {spin:.1f} ms, ratio {spin / off:.3f}")
+    return {"bundle": bundle, "kv_len": kv_len, "repeats": repeats, "passes": rows}
