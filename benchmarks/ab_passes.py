@@ -25,23 +25,28 @@ def _passes(bundle: str, kv_len: int, blocks: list[int]) -> dict:
     return actions
 
 
+def time_alternately(sides: dict[str, dict], repeats: int) -> dict[tuple[str, str], float]:
+    """Median ms of each (side, action) over repeats, the sides' actions interleaved and their
+    order reversed every other repeat, so drift and cache state fall on every side alike."""
+    order = [(side, name, action) for name in next(iter(sides.values())) for side, actions in sides.items()
+             for action in [actions.get(name)] if action]
+    times = {(side, name): [] for side, name, _ in order}
+    for repeat in range(repeats + 1):
+        for side, name, action in order if repeat % 2 else order[::-1]:
+            began = time.perf_counter()
+            action()
+            if repeat:  # the first run of each shape allocates and prepacks
+                times[(side, name)].append((time.perf_counter() - began) * 1e3)
+    return {key: statistics.median(ms) for key, ms in times.items()}
+
+
 def compare(old: str, new: str, blocks: list[int], kv_len: int = 512, repeats: int = 40, log=print) -> dict:
     """Median ms per pass on each side and new / old, by pass name."""
     sides = {"old": _passes(old, kv_len, blocks), "new": _passes(new, kv_len, blocks)}
-    names = [n for n in sides["old"] if n in sides["new"]]
-    times = {(side, n): [] for side in sides for n in names}
-    for repeat in range(repeats + 1):
-        # Alternate which side goes first, so neither always runs right after the other.
-        order = ("old", "new") if repeat % 2 else ("new", "old")
-        for n in names:
-            for side in order:
-                began = time.perf_counter()
-                sides[side][n]()
-                if repeat:  # the first run of each shape allocates and prepacks
-                    times[(side, n)].append((time.perf_counter() - began) * 1e3)
+    medians = time_alternately(sides, repeats)
     rows = {}
-    for n in names:
-        old_ms, new_ms = (statistics.median(times[(side, n)]) for side in ("old", "new"))
+    for n in (n for n in sides["old"] if n in sides["new"]):
+        old_ms, new_ms = medians[("old", n)], medians[("new", n)]
         rows[n] = {"old_ms": old_ms, "new_ms": new_ms, "new_over_old": new_ms / old_ms}
         log(f"{n}: old {old_ms:.1f} ms, new {new_ms:.1f} ms, new / old {new_ms / old_ms:.3f}")
     return {"old": old, "new": new, "kv_len": kv_len, "repeats": repeats, "passes": rows}

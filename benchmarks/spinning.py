@@ -7,10 +7,8 @@ within a run and stop when it returns (the runtime's setting), one with spinning
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import runtime.sessions as sessions
+from benchmarks.ab_passes import time_alternately
 from runtime.bench import PassTimer
 from runtime.engine import Engine, EngineConfig
 
@@ -36,22 +34,16 @@ def compare(bundle: str, repeats: int = 120, kv_len: int = 512, log=print) -> di
     import onnxruntime as ort
 
     ort.set_default_logger_severity(3)  # overwriting the shipped spin entries is intended: no warning per session
-    timers = {name: PassTimer(_engine(bundle, spin), kv_len, 5) for name, spin in (("off", False), ("spin_stop", True))}
-    actions = []
-    for name, timer in timers.items():
-        actions += [(name, "T=1", lambda t=timer: t.target_pass(1)), (name, "T=5", lambda t=timer: t.target_pass(5))]
+    sides = {}
+    for name, spin in (("off", False), ("spin_stop", True)):
+        timer = PassTimer(_engine(bundle, spin), kv_len, 5)
+        sides[name] = {"T=1": lambda t=timer: t.target_pass(1), "T=5": lambda t=timer: t.target_pass(5)}
         if "draft" in timer.engine.bundle.manifest.drafts():
-            actions.append((name, "draft", timer.draft_step("model")))
-    times = {(name, what): [] for name, what, _ in actions}
-    for repeat in range(repeats + 1):
-        for name, what, action in actions if repeat % 2 else actions[::-1]:
-            began = time.perf_counter()
-            action()
-            if repeat:  # the first run of each shape allocates and prepacks
-                times[(name, what)].append((time.perf_counter() - began) * 1e3)
+            sides[name]["draft"] = timer.draft_step("model")
+    medians = time_alternately(sides, repeats)
     rows = {}
-    for what in dict.fromkeys(what for _, what, _ in actions):
-        off, spin = statistics.median(times[("off", what)]), statistics.median(times[("spin_stop", what)])
+    for what in sides["off"]:
+        off, spin = medians[("off", what)], medians[("spin_stop", what)]
         rows[what] = {"off_ms": off, "spin_stop_ms": spin, "spin_stop_over_off": spin / off}
         log(f"{what}: spinning off {off:.1f} ms, spin + stop {spin:.1f} ms, ratio {spin / off:.3f}")
     return {"bundle": bundle, "kv_len": kv_len, "repeats": repeats, "passes": rows}

@@ -105,9 +105,11 @@ def merge_parallel_matmuls(model: onnx.ModelProto) -> int:
     dropped_nodes: set[int] = set()
     dropped_weights: set[str] = set()
     for x, members in groups.items():
+        if len(members) < 2:
+            continue
         nodes = [graph.node[i] for i in members]
         arrays = [numpy_helper.to_array(weights[n.input[1]]) for n in nodes]  # each [K, N_i]
-        if len(nodes) < 2 or len({(a.shape[0], a.dtype) for a in arrays}) != 1:
+        if len({(a.shape[0], a.dtype) for a in arrays}) != 1:
             continue
         stem = nodes[0].output[0] + ".merged"
         merged = numpy_helper.from_array(np.concatenate(arrays, axis=1), stem + ".weight")  # [K, sum N_i]
