@@ -240,10 +240,12 @@ class Engine:
             return {}
         # One controller per drafter and γ policy for the engine's life: α learned on earlier
         # sequences is the prior for the next (each round decays it), the probe schedule restarts.
+        # Keyed by the drafter chosen too: auto's model part drafts only where lookup finds no
+        # match, harder text than the model alone sees, so their α must not mix.
         gamma_config = GammaConfig(fixed=self.config.gamma, max_gamma=self.config.max_gamma)
         controllers = {}
         for part in self.drafter.parts():
-            key = (part.name, gamma_config)
+            key = (self.config.drafter, part.name, gamma_config)
             if key not in self._gamma_controllers:
                 self._gamma_controllers[key] = GammaController(gamma_config, self.costs)
             controllers[part.name] = self._gamma_controllers[key]

@@ -28,8 +28,9 @@ class GammaConfig:
     # sequence learns its α within a few steps, a hopeless one costs a probe per probe_every.
     probe_first: int = 2
     probe_every: int = 32
-    # Probes that fail in a row before the drafter stays off for the rest of the sequence: a
-    # draft model must first replay every token it missed, so each probe costs what it skipped.
+    # Probes that fail (a drafted token rejected) in a row before the drafter stays off for the
+    # rest of the sequence: a draft model must first replay every token it missed, so each
+    # probe costs what it skipped.
     max_failed_probes: int = 2
     min_gain: float = 1.02  # speculate only when the model predicts at least this speedup
     decay: float = 0.98  # weight of history in the acceptance estimate (per round)
@@ -160,9 +161,6 @@ class GammaController:
             self.probe_gap = self.config.probe_first
             self.failed_probes = 0
             return best
-        if self.probing:  # the last round was a probe, and speculation is still not worth it
-            self.failed_probes += 1
-            self.probing = False
         self.plain_steps += 1
         probe = 1 + int(np.argmax(gains[1:]))
         # A probe is expected to lose (that is why speculation is off): run it only if the
@@ -180,6 +178,11 @@ class GammaController:
     def update(self, n_drafted: int, n_accepted: int) -> None:
         if n_drafted == 0:
             return
+        if self.probing:
+            # A probe fails when the target rejects a drafted token; one accepted in full is
+            # evidence for the drafter even while the prior still keeps the predicted gain low.
+            self.failed_probes = 0 if n_accepted == n_drafted else self.failed_probes + 1
+            self.probing = False
         decay = self.config.decay
         self.n_accepted = decay * self.n_accepted + n_accepted
         self.n_rejected = decay * self.n_rejected + (1.0 if n_accepted < n_drafted else 0.0)

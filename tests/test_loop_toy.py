@@ -271,10 +271,21 @@ def test_higher_alpha_never_shortens_gamma():
     assert chosen == sorted(chosen) and chosen[-1] > chosen[0]
 
 
+def _rounds(controller: GammaController, n: int, draft_step_cost: float, accept: bool = False) -> list[int]:
+    """γ chosen for n rounds; every drafted round is rejected at its first token (or accepted in full)."""
+    choices = []
+    for _ in range(n):
+        gamma = controller.choose(draft_step_cost=draft_step_cost)
+        if gamma:
+            controller.update(gamma, gamma if accept else 0)
+        choices.append(gamma)
+    return choices
+
+
 def test_probes_after_probe_every_plain_steps():
     costs = _costs({1: 1.0, 2: 1.0})
-    controller = _with_alpha(0.5, costs, GammaConfig(probe_first=5, probe_every=5, max_failed_probes=10))
-    choices = [controller.choose(draft_step_cost=3.0) for _ in range(11)]
+    controller = _with_alpha(0.5, costs, GammaConfig(probe_first=5, probe_every=5, max_failed_probes=10, max_loss=10.0))
+    choices = _rounds(controller, 11, draft_step_cost=3.0)
     assert choices[:4] == [0, 0, 0, 0]
     assert choices[4] >= 1  # the 5th plain step probes
     assert choices[5:9] == [0, 0, 0, 0] and choices[9] >= 1  # and the count starts again
@@ -283,12 +294,26 @@ def test_probes_after_probe_every_plain_steps():
 
 def test_probes_back_off_and_restart_with_a_new_sequence():
     costs = _costs({1: 1.0, 2: 1.0})
-    controller = _with_alpha(0.5, costs, GammaConfig(probe_first=2, probe_every=8, max_failed_probes=4))
-    choices = [controller.choose(draft_step_cost=3.0) for _ in range(60)]
+    controller = _with_alpha(0.5, costs, GammaConfig(probe_first=2, probe_every=8, max_failed_probes=4, max_loss=10.0))
+    choices = _rounds(controller, 60, draft_step_cost=3.0)
     probes = [i for i, gamma in enumerate(choices) if gamma]
     assert np.diff([-1] + probes).tolist() == [2, 4, 8, 8]  # gaps double up to probe_every, 4 failures, then off
     controller.start()
-    assert [controller.choose(draft_step_cost=3.0) for _ in range(2)][1] >= 1
+    assert _rounds(controller, 2, draft_step_cost=3.0)[1] >= 1
+
+
+def test_a_probe_accepted_in_full_is_not_a_failure():
+    """A prior learned on poorer text keeps the predicted gain under min_gain for a few
+    probes even when the target accepts every drafted token; those probes must not use up
+    max_failed_probes, or a drafter that would win stays off for the sequence."""
+    costs = _costs({1: 1.0, 2: 1.4})  # γ = 1 pays only from α ≈ 0.84 on: (1 + α) / (0.4 + 1.4) ≥ min_gain
+    config = GammaConfig(probe_first=2, probe_every=4, max_failed_probes=2, max_loss=1.0)
+    rejected = _rounds(_with_alpha(0.5, costs, config), 40, draft_step_cost=0.4)
+    assert sum(map(bool, rejected)) == 2  # two rejected probes, then off for the sequence
+    accepted = _rounds(_with_alpha(0.5, costs, config), 40, draft_step_cost=0.4, accept=True)
+    first_win = next(i for i, gamma in enumerate(accepted) if gamma and accepted[i - 1])
+    assert sum(map(bool, accepted[:first_win])) > config.max_failed_probes  # probes went on ...
+    assert all(accepted[first_win:])  # ... until α had climbed, and from then on every round drafts
 
 
 def test_a_probe_that_wins_keeps_probing_alive():
