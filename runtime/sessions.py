@@ -183,7 +183,7 @@ def session_options(provider: str, config: SessionConfig) -> ort.SessionOptions:
     # Spinning inside a run wakes the workers fast for each of a pass's ~100 parallel kernels;
     # stopping it when the run returns keeps a pool from stealing the cores from the next
     # session (spinning on without the stop: 7.7 tok/s; off: 12.6; on with the stop: a 1-token
-    # pass 8.5% faster than off; Qwen 1.5B int4, 2 cores, BENCHMARKS.md).
+    # pass 9.7% faster than off; Qwen 1.5B int4, 2 cores, BENCHMARKS.md).
     options.add_session_config_entry("session.intra_op.allow_spinning", "1")
     options.add_session_config_entry("session.force_spinning_stop", "1")
     # Static KV: inputs keep their shapes, so ORT's memory-pattern planner helps on CPU; the
