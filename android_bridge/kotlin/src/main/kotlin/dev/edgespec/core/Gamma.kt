@@ -76,7 +76,6 @@ class GammaController(val config: GammaConfig, val costs: CostModel, priorAlpha:
         val gains = DoubleArray(config.maxGamma + 1) { expectedSpeedup(it, draftStepCost, replaySeconds) }
         val best = Sampling.argmax(gains)
         if (gains[best] >= config.minGain) { plainSteps = 0; probeGap = config.probeFirst; failedProbes = 0; return best }
-        if (probing) { failedProbes += 1; probing = false }
         plainSteps += 1
         val probe = 1 + Sampling.argmax(gains.copyOfRange(1, gains.size))
         val expectedLoss = roundCost(probe, draftStepCost, replaySeconds) * (1.0 - gains[probe])
@@ -92,6 +91,8 @@ class GammaController(val config: GammaConfig, val costs: CostModel, priorAlpha:
 
     fun update(nDrafted: Int, nAccepted: Int) {
         if (nDrafted == 0) return
+        // A probe fails only when the target rejects a drafted token (runtime/gamma.py).
+        if (probing) { failedProbes = if (nAccepted == nDrafted) 0 else failedProbes + 1; probing = false }
         accepted = config.decay * accepted + nAccepted
         rejected = config.decay * rejected + (if (nAccepted < nDrafted) 1.0 else 0.0)
     }
