@@ -1,6 +1,7 @@
 """python -m benchmarks precision MODEL BUNDLE... [--prompts N] [--out FILE.json]
 python -m benchmarks ab OLD_BUNDLE NEW_BUNDLE [--blocks 1,5] [--kv-len 512] [--repeats 40] [--out FILE.json]
-python -m benchmarks spinning BUNDLE [--repeats 120] [--kv-len 512] [--out FILE.json]"""
+python -m benchmarks spinning BUNDLE [--repeats 120] [--kv-len 512] [--out FILE.json]
+python -m benchmarks gpu_check --out DIR [--bundle DIR] [--reference DIR] ... (benchmarks/gpu_check.py)"""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ from pathlib import Path
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["gpu_check"]:
+        from benchmarks.gpu_check import main as gpu_check
+
+        return gpu_check(sys.argv[2:])
     parser = argparse.ArgumentParser(prog="python -m benchmarks")
     sub = parser.add_subparsers(dest="command", required=True)
     precision = sub.add_parser("precision", help="bundle logits against transformers fp32")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edge_spec.manifest import ArchInfo, BundleError, Manifest
+from edge_spec.profiles import PROFILES
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 
@@ -60,6 +61,10 @@ EMBED_BYTES_PER_POSITION = 16 * KiB
 # ORT's arena keeps the first pass's buffers and the second pass of a shape allocates its
 # memory pattern as one block of its own; a third adds nothing.
 _HIDDEN_COPIES, _MLP_COPIES, _BLOCK_SCORE_COPIES, _PAST_SCORE_COPIES, _PATTERN_COPIES = 10, 0.9, 1.3, 3.2, 2
+# float16-activation graphs (--device cuda/dml) on the CPU provider, which computes them through
+# float32 conversions: MatMulNBits packs float16 scales as float32 beside the stored ones, and
+# each session's arena keeps the conversion buffers. Fitted on the int4 Qwen pair (BENCHMARKS.md).
+_FP16_ACTIVATION_WEIGHTS, _FP16_ACTIVATION_WORKSPACE = 1.13, 2.3
 
 
 class BudgetError(ValueError):
@@ -207,7 +212,7 @@ def workspace_bytes(arch: ArchInfo, intermediate_size: int, attention: str = "fu
     per_pass = 4 * block * (  # float32 rows of the block
         _HIDDEN_COPIES * arch.hidden_size + _MLP_COPIES * intermediate_size + _BLOCK_SCORE_COPIES * arch.n_heads * block
     )
-    if attention == "portable":
+    if attention in ("portable", "masked"):
         per_pass += _PAST_SCORE_COPIES * arch.n_heads * block * arch.max_context * 4  # [1,KVH,G*T,MAX]
     return round(_PATTERN_COPIES * per_pass)
 
@@ -251,6 +256,15 @@ class RolePlan:
     shares_kv_with: str | None = None
     intermediate_size: int = 0
     attention: str = "fused"
+    float16_activations: bool = False  # a --device cuda/dml graph, planned on the CPU provider
+
+    @property
+    def packed_weights(self) -> int:
+        return round(self.weights.packed * (_FP16_ACTIVATION_WEIGHTS if self.float16_activations else 1))
+
+    def workspace(self, max_gamma: int) -> int:
+        per_session = workspace_bytes(self.arch, self.intermediate_size, self.attention, max_gamma)
+        return round(self.layer_sessions * per_session * (_FP16_ACTIVATION_WORKSPACE if self.float16_activations else 1))
 
 
 @dataclass(frozen=True)
@@ -335,8 +349,9 @@ def plan_roles(
         else:
             w, in_use = r.weights, r.weights.embed_in_use(min(context or r.arch.max_context, r.arch.max_context))
             parts.append(Part(
-                f"weights {r.role}", w.packed + in_use,
-                f"{w.quant}, {format_size(w.stored)} on disk: {format_size(w.packed)} packed + embedding rows in use "
+                f"weights {r.role}", r.packed_weights + in_use,
+                f"{w.quant}{', float16 activations' if r.float16_activations else ''}, {format_size(w.stored)} on disk: "
+                f"{format_size(r.packed_weights)} packed + embedding rows in use "
                 f"{format_size(in_use)} (of {format_size(w.embed)} mapped)",
             ))
     for r in roles:
@@ -353,9 +368,7 @@ def plan_roles(
     draft_model = any(r.weights is not None for r in roles[1:])
     logits = logits_bytes(target.vocab_size, max_gamma, draft_model)
     parts.append(Part("logits", logits, f"[{max_gamma + 1}, {target.vocab_size}] float32 + float64 probabilities"))
-    workspace = sum(
-        r.layer_sessions * workspace_bytes(r.arch, r.intermediate_size, r.attention, max_gamma) for r in roles if r.weights is not None
-    )
+    workspace = sum(r.workspace(max_gamma) for r in roles if r.weights is not None)
     sessions = sum(r.layer_sessions for r in roles if r.weights is not None)
     kinds = "/".join(sorted({r.attention for r in roles if r.weights is not None}))
     parts.append(Part("workspace", workspace, f"blocks of {largest_block(target, max_gamma)} tokens, {sessions} session(s) with layers, {kinds} attention"))
@@ -416,7 +429,8 @@ def plan_bundle(
         # Bundles from before the fused kind have no `attention` field: they are portable.
         attention = getattr(layered[0], "attention", "portable") if layered else "fused"
         intermediate = intermediate_from_layers(info.arch, weights.layers, info.quant) if weights else 0
-        roles.append(RolePlan(role, info.arch, weights, len(layered), info.shares_kv_with, intermediate, attention))
+        float16 = PROFILES[manifest.device].activations == "float16"
+        roles.append(RolePlan(role, info.arch, weights, len(layered), info.shares_kv_with, intermediate, attention, float16))
     tokenizer_file = bundle_dir / manifest.tokenizer.file
     tokenizer_size = tokenizer_file.stat().st_size
     note = f"{manifest.tokenizer.file} {format_size(tokenizer_size)} x {TOKENIZER_FACTOR} (measured)"
@@ -444,8 +458,8 @@ class ModelFacts:
     vocab_size: int
     qkv_bias: bool = False
 
-    def arch(self, max_context: int, vocab_rows: int) -> ArchInfo:
-        return ArchInfo(self.model_type, self.n_layers, self.n_heads, self.n_kv_heads, self.head_dim, self.hidden_size, vocab_rows, max_context)
+    def arch(self, max_context: int, vocab_rows: int, kv_dtype: str = "float32") -> ArchInfo:
+        return ArchInfo(self.model_type, self.n_layers, self.n_heads, self.n_kv_heads, self.head_dim, self.hidden_size, vocab_rows, max_context, kv_dtype)
 
     def weights(self, quant: str, vocab_rows: int) -> StoredWeights:
         return predict_weights(
@@ -456,20 +470,25 @@ class ModelFacts:
 
 def plan_export(
     target: ModelFacts, quant: str, max_context: int, drafts: tuple[str, ...], draft_facts: dict[str, ModelFacts],
-    budget: int | None = None, source: str = "", attention: str = "fused",
+    budget: int | None = None, source: str = "", attention: str = "fused", device: str = "cpu",
 ) -> Plan:
     """The plan of the bundle export would write, run with the runtime's default drafter
     (auto: the draft model if there is one, else the layer-skip draft), before anything is
     written. drafts: export's specs, model specs (keys of draft_facts) and/or "layer-skip:N"."""
+    profile = PROFILES[device]
+    float16 = profile.activations == "float16"
     layer_skips = [d for d in drafts if d.startswith(LAYER_SKIP_PREFIX)]
     models = [draft_facts[d] for d in drafts if not d.startswith(LAYER_SKIP_PREFIX)]
     vocab_rows = min([target.vocab_size] + [m.vocab_size for m in models])
-    target_arch = target.arch(max_context, vocab_rows)
+    target_arch = target.arch(max_context, vocab_rows, profile.kv_dtype)
     weights = target.weights(quant, vocab_rows)
-    roles = [RolePlan("target", target_arch, weights, 2 if layer_skips else 1, None, target.intermediate_size, attention)]
+    roles = [RolePlan("target", target_arch, weights, 2 if layer_skips else 1, None, target.intermediate_size, attention, float16)]
     if models:
         draft = models[0]
-        roles.append(RolePlan("draft", draft.arch(max_context, vocab_rows), draft.weights(quant, vocab_rows), 1, None, draft.intermediate_size, attention))
+        roles.append(RolePlan(
+            "draft", draft.arch(max_context, vocab_rows, profile.kv_dtype), draft.weights(quant, vocab_rows), 1, None,
+            draft.intermediate_size, attention, float16,
+        ))
     elif layer_skips:
         split = int(layer_skips[0][len(LAYER_SKIP_PREFIX) :])
         roles.append(RolePlan("layer_skip", dataclasses.replace(target_arch, n_layers=split), None, 0, "target"))
@@ -493,7 +512,7 @@ class ExportChoice:
 
 def choose_export(
     target: ModelFacts, quant: str, max_context: int, drafts: tuple[str, ...], draft_facts: dict[str, ModelFacts],
-    budget: int, source: str = "", attention: str = "fused",
+    budget: int, source: str = "", attention: str = "fused", device: str = "cpu",
 ) -> ExportChoice:
     """The first export that fits the budget, giving up the least-valued thing first: the
     longest context (halved, not below MIN_BUDGET_CONTEXT), then the draft model (a
@@ -505,12 +524,12 @@ def choose_export(
         contexts.append(contexts[-1] // 2)
     lighter = tuple(d for d in drafts if d.startswith(LAYER_SKIP_PREFIX))
     draft_options = [drafts] + ([lighter] if lighter != drafts else [])
-    quants = QUANT_ORDER[QUANT_ORDER.index(quant) :]
+    quants = [q for q in QUANT_ORDER[QUANT_ORDER.index(quant) :] if q in PROFILES[device].quants]
     plan = None
     for q in quants:
         for option in draft_options:
             for context in contexts:
-                plan = plan_export(target, q, context, option, draft_facts, budget, source, attention)
+                plan = plan_export(target, q, context, option, draft_facts, budget, source, attention, device)
                 if plan.fits:
                     changes = []
                     if context != max_context:

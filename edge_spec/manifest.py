@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from edge_spec import names
+from edge_spec.profiles import PROFILES
 
-SCHEMA_VERSION = 2  # 2: StageInfo.attention (fused graphs write KV in place)
+SCHEMA_VERSION = 3  # 2: StageInfo.attention (fused graphs write KV in place); 3: Manifest.device, fused position inputs
 MANIFEST_FILE = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
 QUANTS = ("int4", "int8", "fp16", "fp32")
@@ -145,6 +146,7 @@ class Manifest:
     created_by: str = ""
     default_draft: str | None = None
     coreml: dict[str, CoreMLPackageInfo] = field(default_factory=dict)  # stage key -> package
+    device: str = "cpu"  # edge_spec.profiles.DEVICES: the provider the graphs were built for
 
     @property
     def target(self) -> ModelInfo:
@@ -226,11 +228,16 @@ def validate(manifest: Manifest, bundle_dir: Path, check_hashes: bool = True) ->
     if not manifest.tokenizer.eos_token_ids:
         raise BundleError("manifest tokenizer lists no EOS token id")
     target = manifest.target
+    profile = PROFILES.get(manifest.device)
+    if profile is None:
+        raise BundleError(f"manifest device {manifest.device!r} is not a device profile this runtime knows ({', '.join(PROFILES)})")
     for role, model in manifest.models.items():
         if model.quant not in QUANTS:
             raise BundleError(f"model {role!r}: unknown quantization {model.quant!r} (known: {QUANTS})")
         if model.arch.kv_dtype not in KV_DTYPES:
             raise BundleError(f"model {role!r}: unknown KV dtype {model.arch.kv_dtype!r}")
+        if model.arch.kv_dtype != profile.kv_dtype:
+            raise BundleError(f"model {role!r} keeps a {model.arch.kv_dtype} KV cache; --device {manifest.device} bundles keep {profile.kv_dtype}")
         if model.arch.vocab_size < manifest.tokenizer.n_real_tokens:
             raise BundleError(
                 f"vocabulary mismatch: model {role!r} has {model.arch.vocab_size} LM-head rows but the "
@@ -270,9 +277,9 @@ def _validate_stages(manifest: Manifest, role: str, model: ModelInfo) -> None:
         if stage.layers and stage.layer_start != next_layer:
             raise BundleError(f"model {role!r}: stage {key!r} starts at layer {stage.layer_start}, expected {next_layer}")
         next_layer = stage.layer_end if stage.layers else next_layer
-        expected_in = names.stage_inputs(stage.embed, stage.head, stage.layers)
         if stage.attention not in names.ATTENTION_KINDS:
             raise BundleError(f"stage {key!r}: unknown attention kind {stage.attention!r} (known: {names.ATTENTION_KINDS})")
+        expected_in = names.stage_inputs(stage.embed, stage.head, stage.layers, stage.attention)
         expected_out = names.stage_outputs(stage.head, stage.layers, stage.attention)
         if list(stage.inputs) != expected_in or list(stage.outputs) != expected_out:
             raise BundleError(f"stage {key!r}: graph input/output names do not follow edge_spec.names")

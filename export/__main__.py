@@ -11,6 +11,7 @@ from pathlib import Path
 
 from edge_spec.catalog import CATALOG
 from edge_spec.manifest import QUANTS
+from edge_spec.profiles import DEVICES
 
 
 def _memory_size(text: str) -> int:
@@ -22,8 +23,10 @@ def _memory_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _default_out(model: str, quant: str) -> Path:
-    return Path("bundles") / f"{Path(model).name.removesuffix('.gguf')}-{quant}"
+def _default_out(model: str, quant: str, device: str = "cpu") -> Path:
+    name = Path(model).name
+    name = name[: -len(".gguf")] if name.endswith(".gguf") else name
+    return Path("bundles") / f"{name}-{quant}{'' if device == 'cpu' else '-' + device}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,11 +45,18 @@ def main(argv: list[str] | None = None) -> int:
         "(default: the catalog's draft for MODEL)",
     )
     parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=DEVICES,
+        help="the provider the graphs are built for: cpu (float32), cuda and dml (float16 activations and KV, "
+        "GroupQueryAttention in float16), coreml (standard ops the Core ML EP takes) (default cpu)",
+    )
+    parser.add_argument(
         "--attention",
-        default="fused",
-        choices=("fused", "portable"),
+        choices=("fused", "portable", "masked"),
         help="fused: ONNX Runtime's GroupQueryAttention, KV written in place (fastest; desktop ONNX Runtime); "
-        "portable: standard ONNX ops only (Android/NNAPI, other ONNX backends)",
+        "portable: standard ONNX ops only (Android/NNAPI, other ONNX backends); masked: standard ops with positions "
+        "and mask from the runtime (the Core ML EP) (default: the --device's)",
     )
     parser.add_argument("--force", action="store_true", help="replace an existing bundle folder")
     parser.add_argument(
@@ -69,11 +79,15 @@ def main(argv: list[str] | None = None) -> int:
 
     drafts = tuple(args.draft) if args.draft else default_drafts(args.model)
     drafts = tuple(d for d in drafts if d != "none")
-    out = args.out or _default_out(args.model, args.quant)
+    out = args.out or _default_out(args.model, args.quant, args.device)
     formats = tuple(dict.fromkeys(f.strip() for f in args.format.split(",") if f.strip()))
     if not formats or set(formats) - set(FORMATS):
         parser.error(f"--format {args.format!r}: choose one or more of {', '.join(FORMATS)}, comma-separated")
-    config = ExportConfig(args.model, out, args.quant, args.max_context, drafts, args.force, formats=formats, attention=args.attention)
+    try:
+        config = ExportConfig(args.model, out, args.quant, args.max_context, drafts, args.force, formats=formats, attention=args.attention, device=args.device)
+    except ExportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     choice = None
     if args.memory_budget is not None:
         from edge_spec.budget import BudgetError
@@ -85,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         print(choice.summary(), file=sys.stderr)
-        out = args.out or _default_out(args.model, choice.quant)
+        out = args.out or _default_out(args.model, choice.quant, args.device)
         config = dataclasses.replace(config, out=out, quant=choice.quant, max_context=choice.max_context, drafts=choice.drafts)
     began = time.perf_counter()
     try:
@@ -97,13 +111,16 @@ def main(argv: list[str] | None = None) -> int:
     sizes = {f: (out / f).stat().st_size for f in manifest.files}
     if args.json:
         roles = {role: {"layers": m.arch.n_layers, "stages": list(m.stages), "source": m.source} for role, m in manifest.models.items()}
-        summary = {"bundle": str(out), "quant": config.quant, "max_context": config.max_context, "roles": roles, "bytes": sizes, "seconds": seconds}
+        summary = {
+            "bundle": str(out), "device": config.device, "quant": config.quant, "attention": config.attention,
+            "max_context": config.max_context, "roles": roles, "bytes": sizes, "seconds": seconds,
+        }
         if choice is not None:
             summary["memory"] = {"changes": list(choice.changes), "plan": choice.plan.to_dict()}
         print(json.dumps(summary))
         return 0
     roles = ", ".join(f"{role} ({m.arch.n_layers} layers)" for role, m in manifest.models.items())
-    print(f"{out}: {roles}; {config.quant}; {sum(sizes.values()) / 2**20:.0f} MiB; max context {config.max_context}; {seconds:.0f} s")
+    print(f"{out}: {roles}; --device {config.device}; {config.quant}; {sum(sizes.values()) / 2**20:.0f} MiB; max context {config.max_context}; {seconds:.0f} s")
     return 0
 
 

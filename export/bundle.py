@@ -16,6 +16,8 @@ from edge_spec import manifest as mf
 from edge_spec import names
 from edge_spec.budget import ExportChoice, ModelFacts, choose_export
 from edge_spec.catalog import CATALOG
+from edge_spec.placement import check_bundle
+from edge_spec.profiles import PROFILES, DeviceProfile
 from export.archs import arch_for
 from export.onnx_graphs import export_stage
 from export.quantize import quantize_file, save
@@ -38,7 +40,24 @@ class ExportConfig:
     drafts: tuple[str, ...] = ()  # same-tokenizer models and/or "layer-skip:N"; () = none
     force: bool = False  # replace an existing bundle folder
     formats: tuple[str, ...] = ("onnx",)  # FORMATS to write, one or both
-    attention: str = "fused"  # edge_spec.names.ATTENTION_KINDS: fused for ONNX Runtime, portable for any ONNX backend
+    attention: str | None = None  # edge_spec.names.ATTENTION_KINDS; None: the device profile's default
+    device: str = "cpu"  # edge_spec.profiles.DEVICES: the provider the graphs are built for
+
+    def __post_init__(self):
+        if self.device not in PROFILES:
+            raise ExportError(f"unknown --device {self.device!r}; choose one of {', '.join(PROFILES)}")
+        if self.attention is None:
+            object.__setattr__(self, "attention", PROFILES[self.device].attentions[0])
+        known = self.quant in mf.QUANTS and self.attention in names.ATTENTION_KINDS  # else export_bundle names the unknown one
+        refusal = PROFILES[self.device].refusal(self.quant, self.attention) if known else None
+        if refusal:
+            raise ExportError(refusal)
+        if "coreml" in self.formats and self.device not in ("cpu", "coreml"):
+            raise ExportError(f"--device {self.device} --format coreml: Core ML packages run on Apple devices; export them with --device coreml or cpu")
+
+    @property
+    def profile(self) -> DeviceProfile:
+        return PROFILES[self.device]
 
 
 def default_drafts(model: str) -> tuple[str, ...]:
@@ -62,7 +81,7 @@ def choose_for_budget(config: ExportConfig, budget: int) -> ExportChoice:
     if "onnx" not in config.formats:
         raise ExportError("--memory-budget plans ONNX Runtime's memory: add onnx to --format")
     facts = {spec: model_facts(spec) for spec in (config.model, *config.drafts) if not spec.startswith(LAYER_SKIP_PREFIX)}
-    return choose_export(facts[config.model], config.quant, config.max_context, config.drafts, facts, budget, str(config.out), config.attention)
+    return choose_export(facts[config.model], config.quant, config.max_context, config.drafts, facts, budget, str(config.out), config.attention, config.device)
 
 
 class Progress:
@@ -73,7 +92,7 @@ class Progress:
         self.log(f"[{time.perf_counter() - self.start:7.1f}s] {message}")
 
 
-def _arch_info(model, max_context: int, vocab_rows: int) -> mf.ArchInfo:
+def _arch_info(model, max_context: int, vocab_rows: int, kv_dtype: str = "float32") -> mf.ArchInfo:
     config = model.config
     n_heads = config.num_attention_heads
     return mf.ArchInfo(
@@ -85,6 +104,7 @@ def _arch_info(model, max_context: int, vocab_rows: int) -> mf.ArchInfo:
         hidden_size=config.hidden_size,
         vocab_size=vocab_rows,
         max_context=max_context,
+        kv_dtype=kv_dtype,
     )
 
 
@@ -95,7 +115,8 @@ def _write_stage(
     from export.static_cache import StageModule
 
     model = checkpoint.model
-    stage = StageModule(model, layers.start, layers.stop, embed, head, vocab_rows, config.attention, config.max_context)
+    float16 = config.profile.activations == "float16"
+    stage = StageModule(model, layers.start, layers.stop, embed, head, vocab_rows, config.attention, config.max_context, fused_norm=float16)
     span = f"layers {layers.start}..{layers.stop - 1}" if layers else "no layers"
     if "coreml" in config.formats:
         from export.coreml import write_package
@@ -105,7 +126,7 @@ def _write_stage(
     if "onnx" not in config.formats:
         # No ONNX graph (file ""): the entry still describes the stage; its Core ML package runs it
         # and, like a portable graph, returns the block's new KV rows.
-        inputs, outputs = tuple(names.stage_inputs(embed, head, layers)), tuple(names.stage_outputs(head, layers, "portable"))
+        inputs, outputs = tuple(names.stage_inputs(embed, head, layers, "portable")), tuple(names.stage_outputs(head, layers, "portable"))
         return mf.StageInfo("", (), embed, head, layers.start, layers.stop, inputs, outputs, attention="portable")
     progress(f"{key}: tracing {span}{' + embedding' if embed else ''}{' + head' if head else ''}")
     graph = export_stage(stage, layers, config.max_context, model.config.hidden_size)
@@ -115,8 +136,8 @@ def _write_stage(
         save(graph, traced)
         del graph, stage
         gc.collect()
-        progress(f"{key}: quantizing to {config.quant}")
-        quantize_file(traced, tmp / file, config.quant)
+        progress(f"{key}: quantizing to {config.quant}{', float16 activations' if float16 else ''}")
+        quantize_file(traced, tmp / file, config.quant, config.profile.activations, config.profile.quantized_embedding)
     data = file + ".data"
     data_files = (data,) if (tmp / data).exists() else ()
     return mf.StageInfo(
@@ -126,7 +147,7 @@ def _write_stage(
         head=head,
         layer_start=layers.start,
         layer_end=layers.stop,
-        inputs=tuple(names.stage_inputs(embed, head, layers)),
+        inputs=tuple(names.stage_inputs(embed, head, layers, config.attention)),
         outputs=tuple(names.stage_outputs(head, layers, config.attention)),
         attention=config.attention,
     )
@@ -191,6 +212,8 @@ def export_bundles(configs: list[ExportConfig], log: Callable[[str], None] = _lo
 def export_bundle(config: ExportConfig, log: Callable[[str], None] = _log_stderr, load: Callable[[str], Checkpoint] = load_checkpoint) -> mf.Manifest:
     if config.quant not in mf.QUANTS:
         raise ExportError(f"unknown quantization {config.quant!r}; choose one of {', '.join(mf.QUANTS)}")
+    if config.attention not in names.ATTENTION_KINDS:
+        raise ExportError(f"unknown attention {config.attention!r}; choose one of {', '.join(names.ATTENTION_KINDS)}")
     if config.max_context < 16:
         raise ExportError(f"--max-context {config.max_context} is too small (at least 16)")
     if not config.formats or set(config.formats) - set(FORMATS):
@@ -257,7 +280,8 @@ def _export_into(config: ExportConfig, tmp: Path, layer_skips, model_drafts, pro
     stages: dict[str, mf.StageInfo] = {}
     models: dict[str, mf.ModelInfo] = {}
     packages: dict[str, mf.CoreMLPackageInfo] = {}
-    target_arch = _arch_info(target.model, config.max_context, vocab_rows)
+    kv_dtype = config.profile.kv_dtype
+    target_arch = _arch_info(target.model, config.max_context, vocab_rows, kv_dtype)
     if layer_skips:
         spec = layer_skips[0][len(LAYER_SKIP_PREFIX) :]
         if not spec.isdigit() or not 0 < int(spec) < n_layers:
@@ -284,7 +308,7 @@ def _export_into(config: ExportConfig, tmp: Path, layer_skips, model_drafts, pro
     if draft is not None:
         draft_layers = draft.model.config.num_hidden_layers
         stages["draft"] = _write_stage(draft, "draft", range(draft_layers), True, True, config, tmp, vocab_rows, progress, packages)
-        models["draft"] = mf.ModelInfo(draft.source.description, _arch_info(draft.model, config.max_context, vocab_rows), config.quant, ("draft",))
+        models["draft"] = mf.ModelInfo(draft.source.description, _arch_info(draft.model, config.max_context, vocab_rows, kv_dtype), config.quant, ("draft",))
         del draft
         gc.collect()
 
@@ -304,7 +328,13 @@ def _export_into(config: ExportConfig, tmp: Path, layer_skips, model_drafts, pro
         created_by=f"edge-spec {__version__}",
         default_draft=default_draft,
         coreml=packages,
+        device=config.device,
     )
     (tmp / mf.MANIFEST_FILE).write_text(manifest.to_json())
     mf.validate(manifest, tmp, check_hashes=False)
+    if "onnx" in config.formats:
+        progress(f"checking every node has a {config.profile.provider} kernel")
+        report = check_bundle(manifest, tmp, config.profile.provider)
+        if not report.ok:
+            raise ExportError(f"the --device {config.device} graphs would not run on {config.profile.provider}: {report.summary()}")
     return manifest

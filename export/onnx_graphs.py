@@ -31,13 +31,19 @@ class _NamedInputs(nn.Module):
         by_name = dict(zip(self.input_names, args))
         x = by_name.get(names.INPUT_IDS, by_name.get(names.HIDDEN_IN))
         past = args[len(self.input_names) - 2 * len(self.stage.layers) :] if len(self.stage.layers) else ()
-        return self.stage(x, by_name.get(names.KV_LEN), by_name.get(names.LOGIT_POSITIONS), *past)
+        if names.SEQLENS_K in by_name:
+            position = (by_name[names.SEQLENS_K], by_name[names.TOTAL_SEQ_LEN])
+        elif names.POSITION_IDS in by_name:
+            position = (by_name[names.POSITION_IDS], by_name[names.ATTENTION_BIAS])
+        else:
+            position = by_name.get(names.KV_LEN)
+        return self.stage(x, position, by_name.get(names.LOGIT_POSITIONS), *past)
 
 
 def export_stage(stage: StageModule, layers: range, max_context: int, hidden_size: int) -> onnx.ModelProto:
     """Trace one stage and return the ONNX model (weights inline, possibly > 2 GB: save with
     external data)."""
-    input_names = names.stage_inputs(stage.embed, stage.head, layers)
+    input_names = names.stage_inputs(stage.embed, stage.head, layers, stage.attention)
     output_names = names.stage_outputs(stage.head, layers, stage.attention)
     block = 3  # any T > 1 so the exporter keeps T symbolic
     kv_len = 2
@@ -45,13 +51,18 @@ def export_stage(stage: StageModule, layers: range, max_context: int, hidden_siz
         names.INPUT_IDS: torch.zeros((1, block), dtype=torch.int64),
         names.HIDDEN_IN: torch.zeros((1, block, hidden_size), dtype=torch.float32),
         names.KV_LEN: torch.tensor([kv_len], dtype=torch.int64),
+        names.SEQLENS_K: torch.tensor([kv_len + block - 1], dtype=torch.int32),
+        names.TOTAL_SEQ_LEN: torch.tensor(kv_len + block, dtype=torch.int32),
+        names.POSITION_IDS: torch.arange(kv_len, kv_len + block, dtype=torch.int64),
+        names.ATTENTION_BIAS: torch.from_numpy(names.position_feeds([names.POSITION_IDS], kv_len, block, max_context)[names.ATTENTION_BIAS]),
         names.LOGIT_POSITIONS: torch.arange(block, dtype=torch.int64),
     }
     kv_shape = (1, stage.n_kv_heads, max_context, stage.head_dim)
     args = []
     for name in input_names:
         args.append(example[name] if name in example else torch.zeros(kv_shape, dtype=torch.float32))
-    dynamic_axes = {names.INPUT_IDS: {1: "T"}, names.HIDDEN_IN: {1: "T"}, names.LOGIT_POSITIONS: {0: "N"}}
+    dynamic_axes = {names.INPUT_IDS: {1: "T"}, names.HIDDEN_IN: {1: "T"}, names.LOGIT_POSITIONS: {0: "N"}, names.POSITION_IDS: {0: "T"}}
+    dynamic_axes[names.ATTENTION_BIAS] = {0: "T", 1: "MAX_PLUS_T"}
     dynamic_axes.update({n: {1: "N"} for n in (names.LOGITS,)})
     dynamic_axes.update({names.HIDDEN_OUT: {1: "T"}})
     dynamic_axes.update({n: {2: "T"} for n in output_names if n.startswith("new_")})

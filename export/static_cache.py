@@ -6,7 +6,13 @@ Two attention kinds (edge_spec.names.ATTENTION_KINDS), never copying the cache:
 - fused: one ONNX Runtime GroupQueryAttention node per layer (rotary inside), which writes the
   block's rows into the past buffer in place when the runtime binds present_* to past_*;
 - portable: standard ops, a masked pass over the past buffer and a causal pass over the block,
-  returning only the block's new rows for the runtime to copy in.
+  returning only the block's new rows for the runtime to copy in;
+- masked: the same with the positions and the mask as inputs from the runtime and constant
+  shapes only (the Core ML EP's ops).
+The module is traced in float32; a float16 device profile (edge_spec.profiles) converts the graph
+afterwards and asks here for RMS norms as one SimplifiedLayerNormalization node, which
+accumulates in float32: squaring a float16 residual overflows (Qwen2.5's reaches 4.4e3, its
+square 1.9e7, past float16's 6.5e4; BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -61,17 +67,35 @@ class _GroupQueryAttention(torch.autograd.Function):
         return out, present_key, present_value
 
 
+class _SimplifiedLayerNorm(torch.autograd.Function):
+    """Traces to ONNX Runtime's SimplifiedLayerNormalization (RMS norm, float32 statistics
+    whatever the input type: stash_type 1); forward is the same norm in torch."""
+
+    @staticmethod
+    def forward(ctx, x, weight, epsilon):
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        return weight * (x * torch.rsqrt(variance + epsilon)).to(x.dtype)
+
+    @staticmethod
+    def symbolic(g, x, weight, epsilon):
+        return g.op("SimplifiedLayerNormalization", x, weight, axis_i=-1, epsilon_f=epsilon, stash_type_i=1)
+
+
 class StageModule(nn.Module):
     """Layers [layer_start, layer_end) of a Hugging Face Llama-family model, with optional
     embedding in front and final norm + LM head behind.
 
-    forward(x, kv_len, logit_positions, *past) -> (logits | hidden, new_key.i, new_value.i, ...)
-    past is past_key.i, past_value.i for each layer i, each [1, kv_heads, max_context, head_dim].
+    forward(x, position, logit_positions, *past) -> (logits | hidden, KV outputs ...)
+    position is kv_len [1] (portable), (seqlens_k [1], total_seq_len []) int32 (fused) or
+    (position_ids [T], attention_bias [T, MAX+T]) (masked); past is
+    past_key.i, past_value.i for each layer i, each [1, kv_heads, max_context, head_dim].
+    fused_norm: RMS norms as one SimplifiedLayerNormalization node (float16 profiles).
     """
 
-    def __init__(self, hf_model, layer_start: int, layer_end: int, embed: bool, head: bool, vocab_rows: int, attention: str = "fused", max_context: int = 2048):
+    def __init__(self, hf_model, layer_start: int, layer_end: int, embed: bool, head: bool, vocab_rows: int, attention: str = "fused", max_context: int = 2048, fused_norm: bool = False):
         super().__init__()
         self.attention = attention
+        self.fused_norm = fused_norm
         config = hf_model.config
         inner = hf_model.model
         self.embed, self.head = embed, head
@@ -83,8 +107,10 @@ class StageModule(nn.Module):
         # inv_freq already carries llama3 scaling; attention_scaling is 1.0 for default/llama3.
         self.register_buffer("inv_freq", inner.rotary_emb.inv_freq.detach().float().clone(), persistent=False)
         self.rope_scaling = float(getattr(inner.rotary_emb, "attention_scaling", 1.0))
-        if attention == "fused":
+        if attention in ("fused", "masked"):
             angles = torch.arange(max_context, dtype=torch.float32)[:, None] * self.inv_freq[None, :]  # [MAX,D/2]
+            if attention == "masked":  # full-width tables, gathered by position: no Cos/Sin in the graph
+                angles = torch.cat((angles, angles), dim=-1)  # [MAX,D]
             self.register_buffer("cos_cache", angles.cos() * self.rope_scaling, persistent=False)
             self.register_buffer("sin_cache", angles.sin() * self.rope_scaling, persistent=False)
         if embed:
@@ -96,8 +122,9 @@ class StageModule(nn.Module):
             weight = hf_model.lm_head.weight.detach()[:vocab_rows]  # [vocab, hidden]
             self.lm_head_t = nn.Parameter(weight.t().contiguous().clone(), requires_grad=False)  # [hidden, vocab]
 
-    @staticmethod
-    def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def _rms_norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_norm:
+            return _SimplifiedLayerNorm.apply(x, norm.weight, float(norm.variance_epsilon))
         variance = x.pow(2).mean(-1, keepdim=True)
         return norm.weight * (x * torch.rsqrt(variance + norm.variance_epsilon))
 
@@ -129,6 +156,26 @@ class StageModule(nn.Module):
         out = out.reshape(1, self.n_heads, block, self.head_dim).transpose(1, 2).reshape(1, block, -1)  # [1,T,H*D]
         return attn.o_proj(out), k, v
 
+    def _masked_attention(self, layer, x, cos, sin, past_bias, new_bias, past_key, past_value):
+        """The portable computation with every reshape to a constant shape, the mask added as
+        the runtime's bias, and rotate-half without Neg: ops the Core ML EP builds."""
+        attn = layer.self_attn
+        heads, kv_heads, dim = self.n_heads, self.n_kv_heads, self.head_dim
+        q = attn.q_proj(x).view(1, -1, heads, dim).transpose(1, 2)  # [1,H,T,D]
+        k = attn.k_proj(x).view(1, -1, kv_heads, dim).transpose(1, 2)  # [1,KVH,T,D]
+        v = attn.v_proj(x).view(1, -1, kv_heads, dim).transpose(1, 2)
+        half = dim // 2
+        q = q * cos + torch.cat((q[..., half:] * -1.0, q[..., :half]), dim=-1) * sin
+        k = k * cos + torch.cat((k[..., half:] * -1.0, k[..., :half]), dim=-1) * sin
+        q = q.reshape(1, kv_heads, -1, dim)  # [1,KVH,G*T,D]: rows ordered (group, position), as the bias
+        scores_past = torch.matmul(q, past_key.transpose(2, 3)) * self.scale + past_bias  # [1,KVH,G*T,MAX]
+        scores_new = torch.matmul(q, k.transpose(2, 3)) * self.scale + new_bias  # [1,KVH,G*T,T]
+        probs = torch.softmax(torch.cat([scores_past, scores_new], dim=-1), dim=-1)
+        max_context = past_key.shape[2]
+        out = torch.matmul(probs[..., :max_context], past_value) + torch.matmul(probs[..., max_context:], v)
+        out = out.reshape(1, heads, -1, dim).transpose(1, 2).reshape(1, -1, heads * dim)  # [1,T,H*D]
+        return attn.o_proj(out), k, v
+
     def _fused_attention(self, layer, x, seqlens_k, total_len, past_key, past_value):
         attn = layer.self_attn
         out, present_key, present_value = _GroupQueryAttention.apply(
@@ -137,14 +184,12 @@ class StageModule(nn.Module):
         )
         return attn.o_proj(out), present_key, present_value
 
-    def forward(self, x, kv_len, logit_positions, *past):
+    def forward(self, x, position, logit_positions, *past):
         h = self.embed_tokens(x) if self.embed else x  # [1,T,hidden]
         block = h.shape[1]
         new_kv = []
         if len(self.layers) and self.attention == "fused":
-            total = kv_len + block  # [1]
-            seqlens_k = (total - 1).to(torch.int32)  # [1]
-            total_len = total.to(torch.int32).reshape(())  # scalar
+            seqlens_k, total_len = position  # int32 [1] = kv_len + T - 1, int32 [] = kv_len + T
             for i, layer in enumerate(self.layers):
                 attn_out, present_key, present_value = self._fused_attention(
                     layer, self._rms_norm(layer.input_layernorm, h), seqlens_k, total_len, past[2 * i], past[2 * i + 1]
@@ -152,7 +197,22 @@ class StageModule(nn.Module):
                 h = h + attn_out
                 h = h + layer.mlp(self._rms_norm(layer.post_attention_layernorm, h))
                 new_kv += [present_key, present_value]
+        elif len(self.layers) and self.attention == "masked":
+            position_ids, bias = position  # int64 [T], float32 [T, MAX+T]
+            cos = torch.index_select(self.cos_cache, 0, position_ids)[None, None]  # [1,1,T,D]
+            sin = torch.index_select(self.sin_cache, 0, position_ids)[None, None]
+            max_context = past[0].shape[2]
+            bias = torch.cat([bias] * (self.n_heads // self.n_kv_heads), dim=0)[None, None]  # [1,1,G*T,MAX+T]: Concat, not repeat's Expand
+            past_bias, new_bias = bias[..., :max_context], bias[..., max_context:]
+            for i, layer in enumerate(self.layers):
+                attn_out, k, v = self._masked_attention(
+                    layer, self._rms_norm(layer.input_layernorm, h), cos, sin, past_bias, new_bias, past[2 * i], past[2 * i + 1]
+                )
+                h = h + attn_out
+                h = h + layer.mlp(self._rms_norm(layer.post_attention_layernorm, h))
+                new_kv += [k, v]
         elif len(self.layers):
+            kv_len = position
             positions = (kv_len + torch.arange(block, dtype=torch.int64)).float()  # [T]
             freqs = positions[:, None] * self.inv_freq[None, :]  # [T,D/2]
             emb = torch.cat((freqs, freqs), dim=-1)

@@ -1,4 +1,4 @@
-"""python -m runtime generate|audit|bench|serve|chat|plan BUNDLE ...: the command line over runtime.Engine."""
+"""python -m runtime generate|audit|bench|serve|chat|plan|check BUNDLE ...: the command line over runtime.Engine."""
 
 from __future__ import annotations
 
@@ -67,6 +67,8 @@ def _engine(args):
     )
     engine = Engine(args.bundle, config)
     print(engine.provider_line(), file=sys.stderr, flush=True)
+    for warning in engine.warnings:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     return engine
 
 
@@ -206,6 +208,23 @@ def cmd_plan(args) -> int:
     return 0 if plan.fits else 1
 
 
+def cmd_check(args) -> int:
+    from edge_spec.placement import check_bundle
+    from runtime.bundle import open_bundle
+
+    bundle = open_bundle(args.bundle, check_hashes=False)
+    report = check_bundle(bundle.manifest, bundle.path, args.provider)
+    if args.json:
+        print(json.dumps({"bundle": str(bundle.path), "device": bundle.manifest.device, **report.to_dict()}))
+        return 0 if report.ok else 1
+    print(f"{bundle.path} (--device {bundle.manifest.device}) on {args.provider}: {report.summary()}")
+    for op, misses in report.by_op().items():
+        stages = sorted({m.stage for m in misses})
+        print(f"  {op}: {len(misses)} node(s) in {', '.join(stages)}: {misses[0].reason}")
+    print(f"  kernel table: {report.table_source}")
+    return 0 if report.ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m runtime", description="Run edge-spec bundles.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -278,8 +297,15 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--json", action="store_true", help="one JSON object: parts, total_bytes, budget_bytes, fits")
     plan.set_defaults(func=cmd_plan)
 
+    check = sub.add_parser("check", help="does a provider have a kernel for every node of the bundle's graphs? exits 1 if not")
+    check.add_argument("bundle")
+    check.add_argument("--provider", required=True, choices=("cpu", "cuda", "dml", "coreml"))
+    check.add_argument("--json", action="store_true", help="one JSON object: nodes, ok, missing (per op: stage, node, reason)")
+    check.set_defaults(func=cmd_check)
+
     args = parser.parse_args(argv)
     from edge_spec.manifest import BundleError
+    from edge_spec.placement import PlacementError
     from runtime.engine import PromptTooLongError
     from runtime.kv_cache import ContextFullError
     from runtime.sessions import ProviderError
@@ -287,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except (BundleError, PromptTooLongError, ContextFullError, ProviderError, ChatTemplateError, ValueError) as exc:
+    except (BundleError, PlacementError, PromptTooLongError, ContextFullError, ProviderError, ChatTemplateError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

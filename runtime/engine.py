@@ -18,6 +18,8 @@ import numpy as np
 
 from edge_spec.budget import plan_bundle
 from edge_spec.manifest import BundleError
+from edge_spec.placement import check_bundle
+from edge_spec.profiles import load_verdict
 from edge_spec.sampling import SamplingConfig
 from runtime.bundle import open_bundle
 from runtime.drafters.base import Drafter
@@ -29,7 +31,7 @@ from runtime.gamma import CostModel, GammaConfig, GammaController
 from runtime.kv_cache import KVCache
 from runtime.loop import Step, decode_steps
 from runtime.model import ModelRunner
-from runtime.sessions import ProviderChoice, SessionConfig, kv_device, open_session, resolve_provider
+from runtime.sessions import NO_CPU_FALLBACK, ProviderChoice, SessionConfig, kv_device, open_session, resolve_provider
 from runtime.tokenizer import BundleTokenizer, StreamDecoder
 
 DRAFTERS = ("auto", "model", "layer-skip", "lookup", "none")
@@ -54,6 +56,7 @@ class EngineConfig:
     check_hashes: bool = True
     calibrate: bool = True  # time target and draft passes at load, to seed the cost model
     memory_budget: int | None = None  # bytes: refuse, before loading, a plan (edge_spec.budget) that exceeds it
+    profile_prefix: str | None = None  # ONNX Runtime profiling into files with this prefix (which provider ran each node)
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,7 @@ class Engine:
             "draft": resolve_provider(config.draft_provider or config.provider, config.allow_fallback),
         }
         self._session_config(self.provider_choices["target"])  # bad provider options fail before loading
+        self.warnings = self._check_placement()
         self.tokenizer = BundleTokenizer(self.bundle.file(manifest.tokenizer.file), manifest.tokenizer)
         self._sessions: dict[str, object] = {}
         self._caches: dict[str, KVCache] = {}
@@ -125,11 +129,31 @@ class Engine:
         line = f"provider: {target.describe()}"
         return line if draft == target else f"{line}; draft provider: {draft.describe()}"
 
+    def _check_placement(self) -> list[str]:
+        """Refuse, before any session exists, a bundle whose graphs a GPU provider cannot place
+        node for node (its sessions run without CPU fallback); warn when it would only be slow."""
+        manifest, warnings = self.bundle.manifest, []
+        for group, roles in (("target", ("target", "layer_skip")), ("draft", ("draft",))):
+            provider = self.provider_choices[group].provider
+            keys = [k for role in roles if role in manifest.models for k in manifest.models[role].stages]
+            if provider in NO_CPU_FALLBACK:
+                stages = {k: manifest.stages[k] for k in dict.fromkeys(keys) if manifest.stages[k].file and k not in manifest.coreml}
+                report = check_bundle(dataclasses.replace(manifest, stages=stages), self.bundle.path, provider)
+                if not report.ok:
+                    raise BundleError(
+                        f"bundle {self.bundle.path} (--device {manifest.device}) cannot run on {provider}: {report.summary()}; "
+                        f"re-export it with --device {provider} (`python -m runtime check BUNDLE --provider {provider}` lists the nodes)"
+                    )
+            verdict = load_verdict(manifest.device, provider) if keys and (group == "target" or "draft" in manifest.models) else None
+            if verdict and verdict not in warnings:
+                warnings.append(verdict)
+        return warnings
+
     def _session_config(self, choice: ProviderChoice) -> SessionConfig:
         c = self.config
         # auto means the best provider that works: one that fails to start gives way to the CPU.
         allow_fallback = c.allow_fallback or choice.requested == "auto"
-        return SessionConfig(choice.provider, c.threads, allow_fallback, c.device_id, c.coreml_compute_units, c.coreml_static_shapes)
+        return SessionConfig(choice.provider, c.threads, allow_fallback, c.device_id, c.coreml_compute_units, c.coreml_static_shapes, c.profile_prefix)
 
     def _runs_coreml_package(self, key: str, stage, group: str) -> bool:
         """A stage runs its Core ML package when the bundle has no ONNX graph for it, or when the

@@ -24,7 +24,12 @@ class ModelRunner:
         self.cache = cache
         self.vocab_size = info.arch.vocab_size
         self._bindings = [self._bind_in_place(stage, session) for stage, session in zip(stages, sessions)]
-        # A session without I/O binding (a Core ML package) returns the new rows, as portable graphs do.
+        # A session without I/O binding (a Core ML package) takes kv_len and returns the new rows,
+        # as portable graphs do.
+        self._input_names = [
+            list(stage.inputs) if hasattr(session, "io_binding") else names.stage_inputs(stage.embed, stage.head, stage.layers, "portable")
+            for stage, session in zip(stages, sessions)
+        ]
         self._output_names = [
             list(stage.outputs) if hasattr(session, "io_binding") else names.stage_outputs(stage.head, stage.layers, "portable")
             for stage, session in zip(stages, sessions)
@@ -50,17 +55,18 @@ class ModelRunner:
         KV rows, and return its first output (hidden [1,T,H] or logits [1,N,V])."""
         stage = self.stages[index]
         binding = self._bindings[index]
+        positions = names.position_feeds(self._input_names[index], start, x.shape[1], self.cache.max_context)
         if binding is not None:
             binding.bind_cpu_input(stage.inputs[0], np.ascontiguousarray(x))
-            binding.bind_cpu_input(names.KV_LEN, np.array([start], dtype=np.int64))
+            for name, value in positions.items():
+                binding.bind_cpu_input(name, value)
             if stage.head:
                 binding.bind_cpu_input(names.LOGIT_POSITIONS, logit_positions)
             binding.bind_output(stage.outputs[0], "cpu")  # unallocated again: its shape varies with T
             self.sessions[index].run_with_iobinding(binding)
             return binding.get_outputs()[0].numpy()
-        feeds = {stage.inputs[0]: x}
+        feeds = {stage.inputs[0]: x, **positions}
         if stage.layers:
-            feeds[names.KV_LEN] = np.array([start], dtype=np.int64)
             feeds.update(self.cache.feeds(stage.layers))
         if stage.head:
             feeds[names.LOGIT_POSITIONS] = logit_positions

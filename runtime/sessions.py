@@ -56,6 +56,8 @@ PROVIDERS = {
 # GPU/Neural Engine), then the CPU, which every build has.
 AUTO_ORDER = ("cuda", "dml", "coreml", "cpu")
 COREML_COMPUTE_UNITS = ("ALL", "CPUAndNeuralEngine", "CPUAndGPU", "CPUOnly")
+# Providers whose sessions run with CPU fallback disabled (session.disable_cpu_ep_fallback).
+NO_CPU_FALLBACK = ("cuda", "dml")
 # Distributions that install the `onnxruntime` module; only one may be installed at a time.
 ORT_DISTRIBUTIONS = ("onnxruntime", "onnxruntime-gpu", "onnxruntime-directml", "onnxruntime-openvino", "onnxruntime-qnn")
 
@@ -74,6 +76,8 @@ class SessionConfig:
     # RequireStaticInputShapes: the block (T) and logit (N) axes of bundle graphs are dynamic,
     # so with it the Core ML EP takes only the nodes whose inputs are all static (few).
     coreml_static_shapes: bool = False
+    profile_prefix: str | None = None  # ONNX Runtime profiling on, files named PREFIX_<date>.json
+
 
     def __post_init__(self):
         if self.device_id < 0:
@@ -189,6 +193,13 @@ def session_options(provider: str, config: SessionConfig) -> ort.SessionOptions:
     # Static KV: inputs keep their shapes, so ORT's memory-pattern planner helps on CPU; the
     # DirectML EP does not support memory patterns and fails session creation with them on.
     options.enable_mem_pattern = provider != "dml"
+    if config.profile_prefix:
+        options.enable_profiling = True
+        options.profile_file_prefix = config.profile_prefix
+    if provider in NO_CPU_FALLBACK:
+        # A node without a GPU kernel fails session creation instead of running on the CPU,
+        # where it would copy its inputs (a layer's KV cache, for attention) over the bus.
+        options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
     return options
 
 
@@ -199,13 +210,18 @@ def _first_line(exc: BaseException) -> str:
 
 def _create(path, provider: str, config: SessionConfig) -> ort.InferenceSession:
     providers, options = [PROVIDERS[provider].ort_name], [provider_options(provider, config)]
-    if provider != "cpu":  # nodes the accelerator's EP does not take run on the CPU
+    # Core ML hands what it cannot take to the CPU by design; on GPUs the CPU EP must not be
+    # listed at all: ORT refuses disable_cpu_ep_fallback beside an explicit CPU EP.
+    if provider not in ("cpu", *NO_CPU_FALLBACK):
         providers.append("CPUExecutionProvider")
         options.append({})
     # enable_fallback=0: ORT's own fallback prints to stdout and retries silently; fallback is
     # decided here, where --allow-fallback is known and the choice is reported.
+    options_for_file = session_options(provider, config)
+    if config.profile_prefix:  # one trace per graph: ORT names its files by the second they start
+        options_for_file.profile_file_prefix = f"{config.profile_prefix}-{os.path.basename(os.fspath(path))}"
     return ort.InferenceSession(
-        os.fspath(path), sess_options=session_options(provider, config), providers=providers,
+        os.fspath(path), sess_options=options_for_file, providers=providers,
         provider_options=options, enable_fallback=0,
     )
 
@@ -237,10 +253,6 @@ def open_session(path, provider: str, config: SessionConfig) -> tuple[ort.Infere
     )
 
 
-def make_session(path, provider: str, config: SessionConfig) -> ort.InferenceSession:
-    return open_session(path, provider, config)[0]
-
-
 def ort_device(provider: str, device_id: int = 0) -> Device:
     """The device a provider's tensors live on, for OrtValue buffers and I/O binding."""
     device_type = PROVIDERS[provider].device_type
@@ -263,15 +275,16 @@ def session_device(session) -> Device:
 
 def kv_device(stages, sessions) -> Device | None:
     """Where a role's KV buffers should live: on the GPU when every stage that has layers is a
-    fused graph on a CUDA session (written in place there, never copied to the host); else in
-    host memory (None), which the CPU reads directly and portable graphs need for row copies."""
+    fused graph on one CUDA or DirectML session device (written in place there, never copied
+    to the host); else in host memory (None), which the CPU reads directly and portable graphs
+    need for row copies."""
     layered = [(stage, session) for stage, session in zip(stages, sessions) if stage.layers]
     if not all(stage.attention == "fused" and hasattr(session, "io_binding") for stage, session in layered):
         return None  # portable graphs or Core ML packages: host buffers
     devices = {session_device(session) for _, session in layered}
     if len(devices) == 1:
         (device,) = devices
-        if device.type == "cuda":
+        if device.type in ("cuda", "dml"):
             return device
     return None
 

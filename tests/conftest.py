@@ -74,6 +74,13 @@ def llama_bundle(tmp_path_factory, tiny_models) -> Path:
 
 
 @pytest.fixture(scope="session")
+def llama_gpu_bundle(tmp_path_factory, tiny_models) -> Path:
+    """llama_bundle's roles exported for --device cuda (float16 weights, activations and KV), which
+    CUDA and DirectML can place node for node: the fake GPU sessions open it."""
+    return _export(tmp_path_factory, "llama-cuda", tiny_models.llama, quant="fp16", drafts=(str(tiny_models.draft), "layer-skip:1"), device="cuda")
+
+
+@pytest.fixture(scope="session")
 def qwen2_bundle(tmp_path_factory, tiny_models) -> Path:
     """fp32 qwen2 target with the (llama, same tokenizer) draft and a layer-skip draft."""
     return _export(tmp_path_factory, "qwen2-fp32", tiny_models.qwen2, drafts=(str(tiny_models.draft), "layer-skip:2"))

@@ -48,7 +48,7 @@ def _exporter_hash() -> str:
     # graph names, and the manifest schema version (bumped whenever its format changes).
     from edge_spec.manifest import SCHEMA_VERSION
 
-    for name in ("export/static_cache.py", "export/onnx_graphs.py", "export/quantize.py", "edge_spec/names.py"):
+    for name in ("export/static_cache.py", "export/onnx_graphs.py", "export/quantize.py", "edge_spec/names.py", "edge_spec/profiles.py"):
         digest.update((ROOT / name).read_bytes())
     digest.update(str(SCHEMA_VERSION).encode())
     return digest.hexdigest()[:12]
@@ -58,13 +58,16 @@ def bundles_root() -> Path:
     return Path(os.environ.get("EDGE_SPEC_BUNDLES", Path.home() / ".cache" / "edge-spec" / "bundles"))
 
 
-# name -> (model, quant, drafts, max_context, attention). SmolLM2 is portable: the Kotlin core
-# (android_bridge) replays it, and Python checks that kind on real weights through it.
+# name -> (model, quant, drafts, max_context, attention, device). SmolLM2 is portable: the Kotlin
+# core (android_bridge) replays it, and Python checks that kind on real weights through it. The
+# --device cuda bundles (float16 activations and KV) run here on the CPU provider.
 REAL_BUNDLES = {
-    "smollm2-fp32": ("smollm2-135m", "fp32", ("layer-skip:10",), 2048, "portable"),
-    "qwen-pair-int4": ("qwen2.5-coder-1.5b", "int4", ("qwen2.5-coder-0.5b", LAYER_SKIP), 2048, "fused"),
-    "qwen-pair-int8": ("qwen2.5-coder-1.5b", "int8", ("qwen2.5-coder-0.5b", LAYER_SKIP), 2048, "fused"),
-    "qwen15-fp32": ("qwen2.5-coder-1.5b", "fp32", (), 1024, "fused"),
+    "smollm2-fp32": ("smollm2-135m", "fp32", ("layer-skip:10",), 2048, "portable", "cpu"),
+    "smollm2-cuda-fp16": ("smollm2-135m", "fp16", ("layer-skip:10",), 2048, "fused", "cuda"),
+    "qwen-pair-int4": ("qwen2.5-coder-1.5b", "int4", ("qwen2.5-coder-0.5b", LAYER_SKIP), 2048, "fused", "cpu"),
+    "qwen-pair-int8": ("qwen2.5-coder-1.5b", "int8", ("qwen2.5-coder-0.5b", LAYER_SKIP), 2048, "fused", "cpu"),
+    "qwen-pair-cuda-int4": ("qwen2.5-coder-1.5b", "int4", ("qwen2.5-coder-0.5b", LAYER_SKIP), 2048, "fused", "cuda"),
+    "qwen15-fp32": ("qwen2.5-coder-1.5b", "fp32", (), 1024, "fused", "cpu"),
 }
 
 
@@ -82,7 +85,7 @@ def bundle(name: str) -> Path:
         model = REAL_BUNDLES[name][0]
         todo = [n for n, spec in REAL_BUNDLES.items() if spec[0] == model and not (_bundle_path(n) / "manifest.json").is_file()]
         configs = [
-            f"ExportConfig({REAL_BUNDLES[n][0]!r}, Path({str(_bundle_path(n))!r}), {REAL_BUNDLES[n][1]!r}, {REAL_BUNDLES[n][3]}, {REAL_BUNDLES[n][2]!r}, force=True, attention={REAL_BUNDLES[n][4]!r})"
+            f"ExportConfig({REAL_BUNDLES[n][0]!r}, Path({str(_bundle_path(n))!r}), {REAL_BUNDLES[n][1]!r}, {REAL_BUNDLES[n][3]}, {REAL_BUNDLES[n][2]!r}, force=True, attention={REAL_BUNDLES[n][4]!r}, device={REAL_BUNDLES[n][5]!r})"
             for n in todo
         ]
         script = "from pathlib import Path\nfrom export.bundle import ExportConfig, export_bundles\nexport_bundles([" + ", ".join(configs) + "])"

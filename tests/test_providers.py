@@ -151,10 +151,10 @@ def test_allow_fallback_runs_on_cpu_and_says_so(fake_ort, llama_bundle):
 
 
 @pytest.mark.parametrize("target, draft", [("cuda", "cpu"), ("cpu", "cuda"), ("cuda", "dml")])
-def test_draft_provider_per_role(fake_ort, llama_bundle, target, draft):
+def test_draft_provider_per_role(fake_ort, llama_gpu_bundle, target, draft):
     fake = fake_ort(CUDA, DML, CPU)
-    engine = _engine(llama_bundle, provider=target, draft_provider=draft, drafter="model")
-    target_files, draft_files = _files(llama_bundle, "target"), _files(llama_bundle, "draft")
+    engine = _engine(llama_gpu_bundle, provider=target, draft_provider=draft, drafter="model")
+    target_files, draft_files = _files(llama_gpu_bundle, "target"), _files(llama_gpu_bundle, "draft")
     by_file = _by_file(fake)
     assert set(by_file) == target_files | draft_files  # each stage graph opened once
     for name in target_files:
@@ -168,33 +168,36 @@ def test_draft_provider_per_role(fake_ort, llama_bundle, target, draft):
     )
 
 
-def test_layer_skip_draft_runs_on_the_target_provider(fake_ort, llama_bundle):
+def test_layer_skip_draft_runs_on_the_target_provider(fake_ort, llama_gpu_bundle):
     fake = fake_ort(CUDA, CPU)
-    engine = _engine(llama_bundle, provider="cuda", draft_provider="cpu", drafter="layer-skip")
+    engine = _engine(llama_gpu_bundle, provider="cuda", draft_provider="cpu", drafter="layer-skip")
     assert {s.providers[0] for s in fake.created} == {CUDA}  # its sessions are the target's
-    assert not _files(llama_bundle, "draft") & set(_by_file(fake))  # the draft model is not loaded
+    assert not _files(llama_gpu_bundle, "draft") & set(_by_file(fake))  # the draft model is not loaded
     assert engine.drafter.parts()[0].runner.sessions[0] is engine.target.sessions[0]
 
 
-def test_cuda_device_id(fake_ort, llama_bundle):
+def test_cuda_device_id(fake_ort, llama_gpu_bundle):
     fake = fake_ort(CUDA, CPU)
-    _engine(llama_bundle, provider="cuda", device_id=1, drafter="none")
+    _engine(llama_gpu_bundle, provider="cuda", device_id=1, drafter="none")
     assert fake.created
     for session in fake.created:
-        assert session.providers == [CUDA, CPU]  # nodes CUDA does not take run on the CPU
-        assert session.provider_options == [{"device_id": "1"}, {}]
+        # No CPU EP behind it: CPU fallback is disabled, and ORT refuses that beside an explicit CPU EP.
+        assert session.providers == [CUDA]
+        assert session.provider_options == [{"device_id": "1"}]
+        assert session.options.get_session_config_entry("session.disable_cpu_ep_fallback") == "1"
         assert session.options.enable_mem_pattern
         assert session_device(session) == Device("cuda", 1)  # where I/O binding must allocate
         assert session.kwargs == {"enable_fallback": 0}  # ORT's own silent retry is off
 
 
-def test_directml_session_options(fake_ort, llama_bundle):
+def test_directml_session_options(fake_ort, llama_gpu_bundle):
     fake = fake_ort(DML, CPU)
-    _engine(llama_bundle, provider="dml", device_id=2, drafter="none")
+    _engine(llama_gpu_bundle, provider="dml", device_id=2, drafter="none")
     assert fake.created
     for session in fake.created:
-        assert session.providers == [DML, CPU]
-        assert session.provider_options == [{"device_id": "2"}, {}]
+        assert session.providers == [DML]
+        assert session.provider_options == [{"device_id": "2"}]
+        assert session.options.get_session_config_entry("session.disable_cpu_ep_fallback") == "1"
         # DirectML refuses memory patterns and parallel execution.
         assert session.options.enable_mem_pattern is False
         assert session.options.execution_mode == ort.ExecutionMode.ORT_SEQUENTIAL
@@ -237,18 +240,18 @@ def test_cpu_options_are_the_measured_ones(fake_ort, llama_bundle):
 # -- a provider that is listed but fails to start ---------------------------------------------------
 
 
-def test_provider_that_fails_to_start(fake_ort, llama_bundle):
+def test_provider_that_fails_to_start(fake_ort, llama_gpu_bundle):
     fake = fake_ort(CUDA, CPU)
     fake.fail = {CUDA}
     with pytest.raises(ProviderError) as err:
-        _engine(llama_bundle, provider="cuda", drafter="none")
+        _engine(llama_gpu_bundle, provider="cuda", drafter="none")
     message = str(err.value)
     assert f"{CUDA} failed to start (fake: {CUDA} cannot start)" in message and "second line" not in message
     assert "--allow-fallback" in message and "installed: " in message
 
     for config in ({"provider": "cuda", "allow_fallback": True}, {"provider": "auto"}):
         fake.created = []
-        engine = _engine(llama_bundle, drafter="none", **config)
+        engine = _engine(llama_gpu_bundle, drafter="none", **config)
         assert fake.created and {s.providers[0] for s in fake.created} == {CPU}
         report = engine.provider_report()["target"]
         assert (report["provider"], report["fallback_from"]) == ("cpu", "cuda")
@@ -256,11 +259,11 @@ def test_provider_that_fails_to_start(fake_ort, llama_bundle):
         assert engine.provider_line().startswith("provider: cpu (fell back from cuda: ")
 
 
-def test_broken_graph_is_a_bundle_error_not_a_provider_error(fake_ort, llama_bundle):
+def test_broken_graph_is_a_bundle_error_not_a_provider_error(fake_ort, llama_gpu_bundle):
     fake = fake_ort(CUDA, CPU)
     fake.fail = {CUDA, CPU}
     with pytest.raises(BundleError, match="ONNX Runtime cannot load .*: fake: CPUExecutionProvider cannot start$"):
-        _engine(llama_bundle, provider="cuda", allow_fallback=True, drafter="none")
+        _engine(llama_gpu_bundle, provider="cuda", allow_fallback=True, drafter="none")
 
 
 def test_ort_device():

@@ -7,6 +7,7 @@ never touched are not backed yet. The budget it runs under is the full-context p
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -30,6 +31,13 @@ NEW_TOKENS = 8
 def pair() -> Path:
     real.need(real.QWEN_TARGET, real.QWEN_DRAFT)
     return real.bundle("qwen-pair-int4")
+
+
+@pytest.fixture(scope="module", params=["qwen-pair-int4", "qwen-pair-cuda-int4"])
+def planned_pair(request) -> Path:
+    """The CPU profile's pair and the --device cuda one (float16 KV: half the KV bytes)."""
+    real.need(real.QWEN_TARGET, real.QWEN_DRAFT)
+    return real.bundle(request.param)
 
 
 def _prompt(bundle: Path, n_tokens: int) -> str:
@@ -71,7 +79,8 @@ def _generate(bundle: Path, tmp_path: Path, *args) -> tuple[int, int, float, str
     return returncode, int(peak_file.read_text()), time.perf_counter() - began, stderr.read_text()
 
 
-def test_plan_matches_peak_resident_memory(pair, tmp_path):
+def test_plan_matches_peak_resident_memory(planned_pair, tmp_path):
+    pair = planned_pair
     manifest = load_manifest(pair, check_hashes=False)
     full = plan_bundle(manifest, pair, "model")
     budget = round(full.total_bytes * (1 + TOLERANCE))
@@ -92,6 +101,11 @@ def test_plan_matches_peak_resident_memory(pair, tmp_path):
     print(report)
     assert abs(planned.total_bytes - peak) <= TOLERANCE * peak, report
     assert peak <= budget, report  # a run under the plan (+ tolerance) stays under it
+    if manifest.device == "cuda":  # float16 KV: half the float32 bytes for the same shape
+        float32 = plan_bundle(dataclasses.replace(manifest, device="cpu", models={
+            r: dataclasses.replace(m, arch=dataclasses.replace(m.arch, kv_dtype="float32")) for r, m in manifest.models.items()
+        }), pair, "model")
+        assert full.part("KV target") * 2 == float32.part("KV target")
 
 
 def test_too_small_budget_is_refused_quickly(pair, tmp_path):

@@ -50,6 +50,54 @@ def _parity(bundle, gguf_file: str, new_tokens: int):
         assert result.token_ids == hf_tokens
 
 
+def _top1_against_transformers(bundles: list, gguf_file: str, n_humaneval: int = 2) -> dict:
+    """Top-1 agreement with transformers fp32 over every position of raw, chat and HumanEval
+    prompts, and the largest logit difference, per bundle (each run on the CPU provider)."""
+    torch, model, _ = _hf(gguf_file)
+    engines = [Engine(b, EngineConfig(provider="cpu", drafter="none", calibrate=False)) for b in bundles]
+    prompts = [engines[0].encode(prompt=p) for p in RAW_PROMPTS] + [engines[0].encode(messages=m) for m in CHAT]
+    prompts += [engines[0].encode(messages=m) for m in real.humaneval_messages(n_humaneval)]
+    rows = {}
+    for bundle, engine in zip(bundles, engines):
+        agree = total = 0
+        worst = 0.0
+        for ids in prompts:
+            with torch.no_grad():
+                reference = model(torch.tensor([ids])).logits[0].numpy()
+            engine.target.cache.reset()
+            logits = engine.target.forward(ids)
+            agree += int((logits.argmax(-1) == reference.argmax(-1)).sum())
+            total += len(ids)
+            worst = max(worst, float(np.abs(logits - reference[:, : logits.shape[1]]).max()))
+        rows[bundle.name] = {"top1": agree / total, "max_abs_diff": worst, "positions": total}
+    print(rows)
+    return rows
+
+
+def test_qwen_cuda_profile_top1_within_a_point_of_int4():
+    """--device cuda (int4 weights, float16 activations and KV), run here on the CPU provider."""
+    real.need(real.QWEN_TARGET, real.QWEN_DRAFT, real.HUMANEVAL)
+    cpu, cuda = real.bundle("qwen-pair-int4"), real.bundle("qwen-pair-cuda-int4")
+    rows = _top1_against_transformers([cpu, cuda], real.QWEN_TARGET)
+    assert rows[cuda.name]["top1"] >= rows[cpu.name]["top1"] - 0.01, rows
+    assert rows[cuda.name]["top1"] >= 0.9, rows
+
+
+def test_smollm2_cuda_profile_fp16_matches_transformers():
+    """float16 weights and activations: top-1 as transformers' float32 on nearly every position,
+    and greedy speculation (layer skip, lookup) = plain."""
+    real.need(real.SMOLLM2)
+    bundle = real.bundle("smollm2-cuda-fp16")
+    rows = _top1_against_transformers([bundle], real.SMOLLM2, n_humaneval=0)
+    assert rows[bundle.name]["top1"] >= 0.97, rows
+    engine = Engine(bundle, EngineConfig(provider="cpu", drafter="none", calibrate=False))
+    ids = engine.encode(messages=CHAT[0])
+    plain = engine.generate(ids, GenerateConfig(max_new_tokens=32)).token_ids
+    for drafter in ("layer-skip", "lookup"):
+        engine.use_drafter(drafter, gamma=3)
+        assert engine.generate(ids, GenerateConfig(max_new_tokens=32)).token_ids == plain, drafter
+
+
 def test_smollm2_fp32_matches_transformers():
     real.need(real.SMOLLM2)
     _parity(real.bundle("smollm2-fp32"), real.SMOLLM2, 32)
@@ -67,14 +115,15 @@ def _pair(name: str) -> Engine:
     real.need(real.QWEN_TARGET, real.QWEN_DRAFT, real.HUMANEVAL)
     if name not in _ENGINES:
         _ENGINES.clear()  # one real pair in memory at a time
-        _ENGINES[name] = Engine(real.bundle(name), EngineConfig(drafter="none", calibrate=False))
+        _ENGINES[name] = Engine(real.bundle(name), EngineConfig(provider="cpu", drafter="none", calibrate=False))
     return _ENGINES[name]
 
 
-def test_qwen_pair_audit_passes_at_temperature_0_8_top_p_0_95():
+@pytest.mark.parametrize("name", ["qwen-pair-int4", "qwen-pair-cuda-int4"])
+def test_qwen_pair_audit_passes_at_temperature_0_8_top_p_0_95(name):
     from runtime.audit import compare
 
-    pair_engine = _pair("qwen-pair-int4")
+    pair_engine = _pair(name)
     pair_engine.use_drafter("model", gamma=4)
     ids = pair_engine.encode(messages=[{"role": "user", "content": "Name a fruit."}])
     samples, positions = 150, 3
@@ -90,7 +139,7 @@ def test_qwen_pair_audit_passes_at_temperature_0_8_top_p_0_95():
     assert report.passed, report.to_dict()
 
 
-@pytest.mark.parametrize("name", ["qwen-pair-int4", "qwen-pair-int8"])
+@pytest.mark.parametrize("name", ["qwen-pair-int4", "qwen-pair-int8", "qwen-pair-cuda-int4"])
 def test_qwen_pair_greedy_speculative_equals_plain(name):
     """CI checks 2 HumanEval prompts x 48 tokens per drafter and precision; the 20 x 128
     check is `bench` in BENCHMARKS.md. A forced γ=3 keeps every drafter drafting."""

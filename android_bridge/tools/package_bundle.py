@@ -66,6 +66,8 @@ def plan(bundle: Path, roles: list[str] | None, check_hashes: bool = True) -> di
         raise PackageError(f"the bundle has no role(s) {unknown} (it has {list(manifest.models)})")
     if "target" not in roles:
         raise PackageError("the target role must be packaged")
+    if manifest.device != "cpu":
+        raise PackageError(f"the bundle was exported for --device {manifest.device}: the phone path runs --device cpu bundles; re-export with --device cpu --attention portable")
     for role in roles:
         model = manifest.models[role]
         if model.quant not in PHONE_QUANTS:

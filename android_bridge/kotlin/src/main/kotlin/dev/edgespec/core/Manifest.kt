@@ -9,7 +9,7 @@ import java.security.MessageDigest
 /** A bundle that cannot be used, with the reason (same messages as edge_spec.manifest). */
 class BundleException(message: String) : Exception(message)
 
-const val SCHEMA_VERSION = 2
+const val SCHEMA_VERSION = 3
 const val MANIFEST_FILE = "manifest.json"
 val QUANTS = listOf("int4", "int8", "fp16", "fp32")
 val KV_DTYPES = listOf("float32", "float16")
@@ -89,7 +89,10 @@ object ManifestReader {
                     "re-export the bundle with this edge-spec version",
             )
         }
-        val top = Fields(root, "top level", listOf("schema_version", "stages", "models", "tokenizer", "files", "created_by", "default_draft", "coreml"))
+        val top = Fields(root, "top level", listOf("schema_version", "stages", "models", "tokenizer", "files", "created_by", "default_draft", "coreml", "device"))
+        // Phones run float32 graphs on the CPU provider or NNAPI: the GPU and Apple profiles are refused by name.
+        val device = top.strOrNull("device", "cpu") ?: "cpu"
+        if (device != "cpu") throw BundleException("this bundle was exported for --device $device; the Android core runs --device cpu bundles (re-export with --device cpu --attention portable)")
         val stagesObj = top.obj("stages")
         val stages = LinkedHashMap<String, StageInfo>()
         for (key in stagesObj.keys()) {

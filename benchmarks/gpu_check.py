@@ -1,0 +1,181 @@
+"""One command for a machine with an NVIDIA GPU: is the --device cuda bundle placed, exact and fast there?
+
+    python -m benchmarks gpu_check --out DIR [--model qwen2.5-coder-1.5b] [--bundle DIR] [--reference DIR]
+        [--quant int4] [--prompts 5] [--max-new-tokens 64]
+
+Needs onnxruntime-gpu (the `cuda` extra) in place of onnxruntime, and, unless --bundle and
+--reference are given, the `export` extra and the model files. Steps, each recorded in DIR/gpu_check.json
+(a failed step stops the run and is recorded with its error):
+ 1. export the pair with --device cuda (skipped with --bundle) and a float32 --device cpu target
+    as the reference (skipped with --reference);
+ 2. the static placement check for cuda;
+ 3. load on CUDAExecutionProvider with ONNX Runtime profiling and CPU fallback disabled, run
+    passes, and read from the profile which provider ran every node (all must be CUDA);
+ 4. top-1 agreement of the CUDA float16 logits with the float32 CPU bundle's, every position;
+ 5. greedy speculative = greedy plain, per drafter;
+ 6. `bench --micro` (the verify-cost curve T = 1..16) and `bench` plain/model/lookup/auto.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+RAW_PROMPTS = ("def quicksort(items):\n", "The history of the printing press")
+
+
+def _step(record: dict, name: str, action):
+    began = time.perf_counter()
+    try:
+        record[name] = action()
+        record[name + "_seconds"] = round(time.perf_counter() - began, 1)
+        return record[name]
+    except Exception as exc:
+        record[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        raise
+
+
+def _export(model: str, out: Path, *args: str) -> dict:
+    if (out / "manifest.json").is_file():
+        return {"bundle": str(out), "reused": True}
+    proc = subprocess.run([sys.executable, "-m", "export", model, "--out", str(out), "--force", "--json", *args], capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"export exited {proc.returncode}")
+    return json.loads(proc.stdout)
+
+
+def node_providers(profile_file: str) -> dict[str, int]:
+    """Node events per execution provider in an ONNX Runtime profile (its JSON trace)."""
+    counts: dict[str, int] = {}
+    for event in json.loads(Path(profile_file).read_text()):
+        if event.get("cat") == "Node" and "provider" in event.get("args", {}):
+            provider = event["args"]["provider"]
+            counts[provider] = counts.get(provider, 0) + 1
+    return counts
+
+
+def _placement_by_profile(bundle: Path, prompt_ids: list[int], out: Path, provider: str) -> dict:
+    from runtime.engine import Engine, EngineConfig, GenerateConfig
+    from runtime.sessions import PROVIDERS
+
+    expected = PROVIDERS[provider].ort_name
+    engine = Engine(bundle, EngineConfig(provider=provider, drafter="model", gamma=4, calibrate=False, profile_prefix=str(out / "ort-profile")))
+    engine.generate(prompt_ids, GenerateConfig(max_new_tokens=8))
+    counts = {}
+    for key, session in engine._sessions.items():
+        counts[key] = node_providers(session.end_profiling())
+    elsewhere = {key: {p: n for p, n in c.items() if p != expected} for key, c in counts.items()}
+    elsewhere = {key: c for key, c in elsewhere.items() if c}
+    if elsewhere or not all(counts.values()):
+        raise AssertionError(f"nodes ran outside {expected} (or none were profiled): {elsewhere or counts}")
+    kv_on = {role: str(cache.device) for role, cache in engine._caches.items()}
+    return {"node_events_per_stage": counts, "kv_device": kv_on}
+
+
+def _agreement(bundle: Path, reference: Path, prompts: list[list[int]], provider: str) -> dict:
+    from runtime.engine import Engine, EngineConfig
+
+    got = Engine(bundle, EngineConfig(provider=provider, drafter="none", calibrate=False))
+    ref = Engine(reference, EngineConfig(provider="cpu", drafter="none", calibrate=False))
+    agree = total = 0
+    worst = 0.0
+    for ids in prompts:
+        got.target.cache.reset()
+        ref.target.cache.reset()
+        a, b = got.target.forward(ids), ref.target.forward(ids)
+        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        total += len(ids)
+        worst = max(worst, float(np.abs(a - b).max()))
+    return {"top1_agreement": agree / total, "positions": total, "max_abs_diff": worst}
+
+
+def _greedy_identity(bundle: Path, prompts: list[list[int]], max_new_tokens: int, provider: str) -> dict:
+    from runtime.engine import Engine, EngineConfig, GenerateConfig
+
+    engine = Engine(bundle, EngineConfig(provider=provider, drafter="none", calibrate=False))
+    config = GenerateConfig(max_new_tokens=max_new_tokens)
+    rows = {}
+    for drafter in ("model", "layer-skip", "lookup", "auto"):
+        if drafter == "layer-skip" and "layer_skip" not in engine.bundle.manifest.models:
+            continue
+        same = 0
+        for ids in prompts:
+            engine.use_drafter("none")
+            plain = engine.generate(ids, config).token_ids
+            engine.use_drafter(drafter, gamma=3)
+            same += engine.generate(ids, config).token_ids == plain
+        rows[drafter] = {"identical": same, "prompts": len(prompts)}
+    return rows
+
+
+def run(out: Path, model: str, bundle: Path | None, reference: Path | None, quant: str, n_prompts: int, max_new_tokens: int, provider: str = "cuda") -> dict:
+    import onnxruntime as ort
+
+    from edge_spec.manifest import load_manifest
+    from edge_spec.placement import check_bundle
+    from runtime.bench import BenchConfig, MicroConfig, load_prompts, run_bench, run_micro
+    from runtime.engine import Engine, EngineConfig
+    from runtime.sessions import PROVIDERS
+
+    out.mkdir(parents=True, exist_ok=True)
+    record: dict = {"onnxruntime": ort.__version__, "providers": ort.get_available_providers(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    path = out / "gpu_check.json"
+    try:
+        record["provider"] = provider
+        if PROVIDERS[provider].ort_name not in record["providers"]:
+            raise RuntimeError(f"this ONNX Runtime build has no {PROVIDERS[provider].ort_name}: install onnxruntime-gpu (the cuda extra) in place of onnxruntime")
+        bundle = bundle or out / "bundle-cuda"
+        reference = reference or out / "reference-fp32"
+        _step(record, "export", lambda: _export(model, bundle, "--device", "cuda", "--quant", quant, "--max-context", "1024"))
+        record["device_profile"] = load_manifest(bundle, check_hashes=False).device
+        _step(record, "export_reference", lambda: _export(model, reference, "--quant", "fp32", "--draft", "none", "--max-context", "1024"))
+        report = _step(record, "static_check", lambda: check_bundle(load_manifest(bundle), bundle, provider).to_dict())
+        # The CPU provider has no float16 Add/MatMul/Mul/Sigmoid kernels: ORT casts those nodes to
+        # float32 instead of placing them elsewhere, so on --provider cpu the check only reports.
+        if not report["ok"] and provider != "cpu":
+            raise AssertionError(f"static placement check failed: {report['missing']}")
+        tokenizer_engine = Engine(reference, EngineConfig(provider="cpu", drafter="none", calibrate=False))
+        prompts = [tokenizer_engine.encode(prompt=p) for p in RAW_PROMPTS]
+        prompts += [tokenizer_engine.encode(messages=list(p.messages)) for p in load_prompts(f"humaneval:{n_prompts}")]
+        del tokenizer_engine
+        _step(record, "profiled_placement", lambda: _placement_by_profile(bundle, prompts[-1], out, provider))
+        _step(record, "logits_vs_fp32_cpu", lambda: _agreement(bundle, reference, prompts, provider))
+        _step(record, "greedy_identity", lambda: _greedy_identity(bundle, prompts[2:], max_new_tokens, provider))
+        _step(record, "micro", lambda: run_micro(bundle, MicroConfig(provider=provider)))
+        bench_config = BenchConfig(modes=("plain", "model", "lookup", "auto"), max_new_tokens=max_new_tokens, provider=provider)
+        _step(record, "bench", lambda: run_bench(bundle, load_prompts(f"humaneval:{n_prompts}"), bench_config)["summary"])
+        record["passed"] = True
+    except Exception as exc:
+        record["passed"] = False
+        record["error"] = f"{type(exc).__name__}: {exc}"
+    record["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    path.write_text(json.dumps(record, indent=2, default=str))
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks gpu_check", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b", help="what to export (default: the pair's alias)")
+    parser.add_argument("--bundle", type=Path, help="a --device cuda bundle already exported (skips the export)")
+    parser.add_argument("--reference", type=Path, help="a float32 --device cpu bundle of the same target (skips its export)")
+    parser.add_argument("--quant", default="int4", choices=("int4", "int8", "fp16"))
+    parser.add_argument("--prompts", type=int, default=5, help="HumanEval prompts for agreement, identity and bench")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--provider", default="cuda", choices=("cuda", "cpu"),
+                        help="cpu: the same steps on the CPU provider, to try the script where no GPU is at hand")
+    args = parser.parse_args(argv)
+    record = run(args.out, args.model, args.bundle, args.reference, args.quant, args.prompts, args.max_new_tokens, args.provider)
+    print(json.dumps({k: v for k, v in record.items() if not isinstance(v, dict) or "error" in v}, default=str))
+    return 0 if record["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,390 @@
+"""Device profiles (`python -m export --device`), the placement check (`python -m runtime check`)
+and what the runtime does with a bundle on a provider, on tiny random-weight checkpoints.
+
+The cuda profile's float16 graphs run here on the CPU provider (it registers GroupQueryAttention,
+MatMulNBits and SimplifiedLayerNormalization for float16); the GPU providers themselves are
+checked statically against their kernel tables and their session settings, and the placement
+decisions with fakes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+
+import tiny
+from edge_spec import names
+from edge_spec.manifest import BundleError, load_manifest
+from edge_spec.placement import check_bundle, check_graph, load_table
+from runtime.engine import Engine, EngineConfig, GenerateConfig
+
+from test_cli_errors import _error_line, _run
+
+
+@pytest.fixture(scope="module")
+def cuda_bundles(tmp_path_factory, tiny_models) -> dict[str, object]:
+    """--device cuda bundles of the tiny Qwen2 (biases, untied) at fp16 and int4, with a
+    layer-skip draft, and of the tiny Llama pair (target + draft model) at fp16."""
+    root = tmp_path_factory.mktemp("cuda_bundles")
+    out = {}
+    for quant in ("fp16", "int4"):
+        out[f"qwen2-{quant}"] = root / f"qwen2-{quant}"
+        tiny.export(tiny_models.qwen2, out[f"qwen2-{quant}"], quant=quant, drafts=("layer-skip:1",), attention=None, device="cuda")
+    out["llama-fp16"] = root / "llama-fp16"
+    tiny.export(tiny_models.llama, out["llama-fp16"], quant="fp16", drafts=(str(tiny_models.draft), "layer-skip:2"), attention=None, device="cuda")
+    return out
+
+
+@pytest.fixture(scope="module")
+def dml_bundle(tmp_path_factory, tiny_models):
+    out = tmp_path_factory.mktemp("dml_bundle") / "qwen2-int4-dml"
+    tiny.export(tiny_models.qwen2, out, quant="int4", drafts=("layer-skip:1",), attention=None, device="dml")
+    return out
+
+
+@pytest.fixture(scope="module")
+def coreml_bundle(tmp_path_factory, tiny_models):
+    out = tmp_path_factory.mktemp("coreml_bundle") / "llama-coreml"
+    tiny.export(tiny_models.llama, out, quant="fp32", drafts=("layer-skip:2",), attention=None, device="coreml")
+    return out
+
+
+def _cpu_engine(bundle, drafter="none", gamma=None) -> Engine:
+    return Engine(bundle, EngineConfig(provider="cpu", drafter=drafter, gamma=gamma, calibrate=False))
+
+
+# -- the graphs a profile writes ---------------------------------------------------------------
+
+
+def test_cuda_profile_graphs_are_float16_with_float32_logits(cuda_bundles):
+    manifest = load_manifest(cuda_bundles["qwen2-int4"])
+    assert manifest.device == "cuda"
+    assert {m.arch.kv_dtype for m in manifest.models.values()} == {"float16"}
+    float16, float32 = onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT
+    for key, stage in manifest.stages.items():
+        model = onnx.load(str(cuda_bundles["qwen2-int4"] / stage.file), load_external_data=False)
+        types = {v.name: v.type.tensor_type.elem_type for v in [*model.graph.input, *model.graph.output]}
+        for name, elem in types.items():
+            if name.startswith(("past_", "present_", "hidden_")):
+                assert elem == float16, (key, name)
+        if stage.head:
+            assert types[names.LOGITS] == float32
+        if stage.layers:  # GroupQueryAttention's position inputs come from the runtime, not from integer nodes
+            assert types[names.SEQLENS_K] == onnx.TensorProto.INT32 and names.KV_LEN not in types
+        ops = {n.op_type for n in model.graph.node}
+        assert not ops & {"Pow", "ReduceMean", "Sqrt"}, key  # norms are one float32-accumulating node
+        assert "MatMul" not in ops, key  # every weight matrix is MatMulNBits
+        for node in model.graph.node:
+            if node.op_type == "MatMulNBits":
+                scales = next(t for t in model.graph.initializer if t.name == node.input[2])
+                assert scales.data_type == float16, node.name
+
+
+@pytest.mark.parametrize("arch,quant", [("qwen2", "fp16"), ("llama", "fp16")])
+def test_cuda_profile_logits_match_transformers_on_the_cpu_provider(arch, quant, cuda_bundles, hf_models):
+    """float16 activations: every position within float16 rounding of transformers' float32."""
+    model, tokenizer = hf_models[arch]
+    ids = tokenizer(" ".join([tiny.PROMPT] * 2)).input_ids
+    reference = tiny.hf_logits(model, ids)
+    logits = _cpu_engine(cuda_bundles[f"{arch}-{quant}"]).target.forward(ids)
+    assert logits.dtype == np.float32
+    assert (logits.argmax(-1) == reference.argmax(-1)).mean() >= 0.95
+    scale = np.abs(reference).max()
+    assert np.abs(logits - reference).max() < 0.02 * scale
+
+
+@pytest.mark.parametrize("name,drafters", [("qwen2-int4", ("layer-skip", "lookup")), ("llama-fp16", ("model", "layer-skip", "lookup", "auto"))])
+def test_cuda_profile_speculative_greedy_equals_plain(name, drafters, cuda_bundles, hf_models):
+    ids = hf_models["llama"][1](tiny.PROMPT).input_ids
+    config = GenerateConfig(max_new_tokens=24)
+    plain = _cpu_engine(cuda_bundles[name]).generate(ids, config).token_ids
+    for drafter in drafters:
+        result = _cpu_engine(cuda_bundles[name], drafter, gamma=3).generate(ids, config)
+        assert result.token_ids == plain, drafter
+        if drafter != "lookup":
+            assert result.stats["drafted_tokens"] > 0, drafter
+
+
+def test_cuda_profile_kv_is_half_in_the_plan(cuda_bundles, bundles):
+    from edge_spec.budget import plan_bundle
+
+    half = plan_bundle(load_manifest(cuda_bundles["llama-fp16"]), cuda_bundles["llama-fp16"], "none").part("KV target")
+    full = plan_bundle(load_manifest(bundles["llama"]), bundles["llama"], "none").part("KV target")
+    assert half * 2 == full
+
+
+# -- the placement check -------------------------------------------------------------------------
+
+
+def test_cpu_fused_bundle_cannot_be_placed_on_cuda(bundles):
+    report = check_bundle(load_manifest(bundles["llama"]), bundles["llama"], "cuda")
+    assert not report.ok
+    assert "com.microsoft::GroupQueryAttention" in report.by_op()
+    assert "float" in report.by_op()["com.microsoft::GroupQueryAttention"][0].reason
+    assert check_bundle(load_manifest(bundles["llama"]), bundles["llama"], "cpu").ok
+
+
+def test_cuda_bundles_place_on_cuda(cuda_bundles):
+    for name, bundle in cuda_bundles.items():
+        report = check_bundle(load_manifest(bundle), bundle, "cuda")
+        assert report.ok, (name, report.summary())
+
+
+def test_directml_takes_the_float16_graphs_but_not_a_quantized_embedding(cuda_bundles, dml_bundle):
+    """DirectML registers no GatherBlockQuantized, so --device dml keeps the embedding float16
+    (the MatMuls stay MatMulNBits) and places there, and on CUDA too; a --device cuda int4
+    bundle misses that one op on DirectML."""
+    for name in ("qwen2-fp16", "llama-fp16"):
+        assert check_bundle(load_manifest(cuda_bundles[name]), cuda_bundles[name], "dml").ok, name
+    report = check_bundle(load_manifest(cuda_bundles["qwen2-int4"]), cuda_bundles["qwen2-int4"], "dml")
+    assert list(report.by_op()) == ["com.microsoft::GatherBlockQuantized"]
+    manifest = load_manifest(dml_bundle)
+    assert manifest.device == "dml"
+    for provider in ("dml", "cuda"):
+        assert check_bundle(manifest, dml_bundle, provider).ok, provider
+    ops = {n.op_type for key in manifest.target.stages for n in onnx.load(str(dml_bundle / manifest.stages[key].file), load_external_data=False).graph.node}
+    assert "MatMulNBits" in ops and "GatherBlockQuantized" not in ops
+
+
+def test_dml_profile_runs_on_the_cpu_provider(dml_bundle, cuda_bundles, hf_models):
+    ids = hf_models["qwen2"][1](tiny.PROMPT).input_ids
+    config = GenerateConfig(max_new_tokens=16)
+    plain = _cpu_engine(dml_bundle).generate(ids, config).token_ids
+    assert _cpu_engine(dml_bundle, "layer-skip", 3).generate(ids, config).token_ids == plain
+
+
+def test_coreml_bundle_places_on_coreml(coreml_bundle, bundles):
+    manifest = load_manifest(coreml_bundle)
+    assert manifest.device == "coreml" and {s.attention for s in manifest.stages.values()} == {"masked"}
+    assert check_bundle(manifest, coreml_bundle, "coreml").ok
+    assert not check_bundle(load_manifest(bundles["llama"]), bundles["llama"], "coreml").ok  # fused: contrib ops
+
+
+def test_coreml_masked_graphs_match_transformers_and_speculate_exactly(coreml_bundle, hf_models):
+    """The masked graphs (positions and mask from the runtime) compute what portable ones do."""
+    model, tokenizer = hf_models["llama"]
+    ids = tokenizer(" ".join([tiny.PROMPT] * 2)).input_ids
+    np.testing.assert_allclose(_cpu_engine(coreml_bundle).target.forward(ids), tiny.hf_logits(model, ids), atol=1e-4, rtol=1e-4)
+    config = GenerateConfig(max_new_tokens=24)
+    plain = _cpu_engine(coreml_bundle).generate(ids[:12], config).token_ids
+    for drafter in ("layer-skip", "lookup"):
+        assert _cpu_engine(coreml_bundle, drafter, 3).generate(ids[:12], config).token_ids == plain, drafter
+    ops = {n.op_type for f in coreml_bundle.glob("*.onnx") for n in onnx.load(str(f), load_external_data=False).graph.node}
+    assert not ops & {"Range", "Less", "LessOrEqual", "Expand", "Neg", "ConstantOfShape", "Cos", "Sin"}, ops
+
+
+def test_an_op_the_table_lacks_fails_the_check(tmp_path):
+    """A graph with one op no table lists, and one with a known op at a type the kernel lacks."""
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])
+    for op, domain, expected in (("NoSuchOp", "com.example", "no cuda kernel"), ("Sigmoid", "", None)):
+        graph = helper.make_graph([helper.make_node(op, ["x"], ["y"], domain=domain)], "g", [x], [y])
+        opsets = [helper.make_opsetid("", 20)] + ([helper.make_opsetid(domain, 1)] if domain else [])
+        path = tmp_path / f"{op}.onnx"
+        onnx.save(helper.make_model(graph, opset_imports=opsets), str(path))
+        report = check_graph(path, "cuda")
+        if expected:
+            assert not report.ok and report.misses[0].reason == expected
+        else:
+            assert report.ok
+    bad_type = tmp_path / "sigmoid-int.onnx"
+    xi = helper.make_tensor_value_info("x", TensorProto.INT32, [2])
+    yi = helper.make_tensor_value_info("y", TensorProto.INT32, [2])
+    onnx.save(helper.make_model(helper.make_graph([helper.make_node("Sigmoid", ["x"], ["y"])], "g", [xi], [yi]), opset_imports=[helper.make_opsetid("", 20)]), str(bad_type))
+    report = check_graph(bad_type, "cuda")
+    assert not report.ok and "int32" in report.misses[0].reason
+
+
+def test_cpu_table_is_the_installed_builds_own_registry():
+    """edge_spec/kernels/cpu.json was read from the pinned onnxruntime; the installed one must
+    still register what it lists for the ops the exporter emits."""
+    import onnxruntime
+    from onnxruntime.capi import _pybind_state as C
+
+    table = load_table("cpu")
+    assert table["onnxruntime"] == onnxruntime.__version__
+    live = {f"{k.domain or 'ai.onnx'}::{k.op_name}" for k in C.get_all_opkernel_def() if k.provider == "CPUExecutionProvider"}
+    assert set(table["kernels"]) <= live
+
+
+def test_check_cli(bundles, cuda_bundles, tmp_path):
+    proc = _run("runtime", "check", bundles["llama"], "--provider", "cuda")
+    assert proc.returncode == 1, proc.stderr
+    assert "GroupQueryAttention" in proc.stdout and "--device cpu" in proc.stdout
+    proc = _run("runtime", "check", cuda_bundles["qwen2-int4"], "--provider", "cuda", "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["ok"] and report["device"] == "cuda" and report["nodes"] > 0
+    (tmp_path / "notabundle").mkdir()
+    line = _error_line(_run("runtime", "check", tmp_path / "notabundle", "--provider", "cuda"), only_line=True)
+    assert "is not a bundle" in line
+
+
+# -- refusals and warnings -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("--device", "cuda", "--quant", "fp32"), "--device cuda --quant fp32"),
+        (("--device", "dml", "--attention", "portable"), "--device dml --attention portable"),
+        (("--device", "coreml", "--quant", "int4"), "--device coreml --quant int4"),
+        (("--device", "coreml", "--quant", "fp32", "--attention", "fused"), "--device coreml --attention fused"),
+        (("--device", "cuda", "--format", "onnx,coreml"), "Core ML packages run on Apple devices"),
+    ],
+)
+def test_export_refuses_what_a_profile_cannot_express(args, message, tiny_models, tmp_path):
+    proc = _run("export", tiny_models.llama, "--out", tmp_path / "b", *args)
+    assert message in _error_line(proc)
+    assert not (tmp_path / "b").exists() and not (tmp_path / "b.partial").exists()
+
+
+def test_export_refuses_an_unknown_device(tiny_models, tmp_path):
+    proc = _run("export", tiny_models.llama, "--out", tmp_path / "b", "--device", "tpu")
+    assert proc.returncode == 2 and "invalid choice: 'tpu'" in proc.stderr
+
+
+def test_gpu_providers_refuse_a_bundle_they_cannot_place(bundles, monkeypatch):
+    """On CUDA (faked as available) a --device cpu fused bundle is refused before any session,
+    in one line naming the right --device."""
+    import runtime.engine as engine_module
+    from runtime.sessions import ProviderChoice
+
+    monkeypatch.setattr(engine_module, "resolve_provider", lambda name, allow: ProviderChoice("cuda", "cuda", ("CUDAExecutionProvider",)))
+    monkeypatch.setattr(engine_module, "open_session", lambda *a, **k: pytest.fail("a session was opened"))
+    with pytest.raises(BundleError, match=r"cannot run on cuda: .*GroupQueryAttention.*re-export it with --device cuda"):
+        Engine(bundles["llama"], EngineConfig(provider="cuda", drafter="none", calibrate=False))
+
+
+def test_float16_bundle_on_the_cpu_warns(cuda_bundles):
+    engine = _cpu_engine(cuda_bundles["llama-fp16"])
+    assert len(engine.warnings) == 1 and "--device cuda" in engine.warnings[0] and "slower" in engine.warnings[0]
+
+
+def test_manifest_kv_dtype_must_follow_the_profile(cuda_bundles, tmp_path):
+    copy = tmp_path / "b"
+    shutil.copytree(cuda_bundles["qwen2-fp16"], copy)
+    data = json.loads((copy / "manifest.json").read_text())
+    data["device"] = "cpu"
+    (copy / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(BundleError, match="keeps a float16 KV cache; --device cpu bundles keep float32"):
+        load_manifest(copy)
+
+
+# -- sessions and KV on the device ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("provider", ["cuda", "dml"])
+def test_gpu_sessions_disable_cpu_fallback(provider):
+    from runtime.sessions import SessionConfig, session_options
+
+    options = session_options(provider, SessionConfig(provider))
+    assert options.get_session_config_entry("session.disable_cpu_ep_fallback") == "1"
+    cpu = session_options("cpu", SessionConfig("cpu"))
+    with pytest.raises(RuntimeError, match="does not have configuration"):
+        cpu.get_session_config_entry("session.disable_cpu_ep_fallback")
+
+
+def test_gpu_sessions_list_no_cpu_provider(monkeypatch):
+    """ORT refuses disable_cpu_ep_fallback beside an explicitly listed CPU EP."""
+    import runtime.sessions as sessions
+
+    seen = {}
+
+    def fake_session(path, sess_options, providers, provider_options, enable_fallback):
+        seen["providers"] = providers
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(sessions.ort, "InferenceSession", fake_session)
+    for provider, expected in (("cuda", ["CUDAExecutionProvider"]), ("dml", ["DmlExecutionProvider"]), ("coreml", ["CoreMLExecutionProvider", "CPUExecutionProvider"])):
+        with pytest.raises(RuntimeError):
+            sessions._create("x.onnx", provider, sessions.SessionConfig(provider))
+        assert seen["providers"] == expected
+
+
+class _FakeSession:
+    def __init__(self, provider, device_id=0):
+        self.provider, self.device_id = provider, device_id
+
+    def get_providers(self):
+        return [self.provider]
+
+    def get_provider_options(self):
+        return {self.provider: {"device_id": str(self.device_id)}}
+
+    def io_binding(self):  # pragma: no cover - only its presence is read
+        raise AssertionError
+
+
+@pytest.mark.parametrize(
+    "provider,attention,expected",
+    [
+        ("CUDAExecutionProvider", "fused", ("cuda", 1)),
+        ("DmlExecutionProvider", "fused", ("dml", 1)),
+        ("CUDAExecutionProvider", "portable", None),  # row copies need host buffers
+        ("CPUExecutionProvider", "fused", None),
+    ],
+)
+def test_kv_lives_on_the_gpu_for_fused_gpu_sessions(provider, attention, expected, cuda_bundles):
+    from runtime.sessions import kv_device
+
+    manifest = load_manifest(cuda_bundles["qwen2-fp16"])
+    stages = [manifest.stages[k] for k in manifest.target.stages]
+    import dataclasses
+
+    stages = [dataclasses.replace(s, attention=attention) for s in stages]
+    device = kv_device(stages, [_FakeSession(provider, 1) for _ in stages])
+    assert (tuple(device) if device else None) == expected
+
+
+def test_float16_kv_as_device_ortvalues_match_host(cuda_bundles, hf_models):
+    """The CUDA path (float16 KV as OrtValues bound in place) with the CPU as the device."""
+    from runtime.kv_cache import KVCache
+    from runtime.model import ModelRunner
+
+    ids = hf_models["qwen2"][1](tiny.PROMPT).input_ids
+    host = _cpu_engine(cuda_bundles["qwen2-fp16"]).target
+    arch = host.info.arch
+    cache = KVCache(range(arch.n_layers), arch.n_kv_heads, arch.max_context, arch.head_dim, "float16", device=("cpu", 0))
+    runner = ModelRunner("target", host.info, host.stages, host.sessions, cache)
+    reference = host.forward(ids)
+    first = runner.forward(ids[:4])
+    runner.forward([5, 6])
+    cache.rollback_to_prefix(ids)
+    # Same rows, computed in other blocks: equal to float16 rounding, not bit for bit.
+    np.testing.assert_allclose(np.concatenate([first, runner.forward(ids[4:])]), reference, atol=0.05 * np.abs(reference).max())
+
+
+# -- the GPU check script, dry run on the CPU provider -------------------------------------------
+
+
+def test_gpu_check_runs_every_step_on_the_cpu_provider(tiny_models, tmp_path):
+    """benchmarks/gpu_check.py with --provider cpu: export skipped (bundles given), placement
+    read from ONNX Runtime's own profile, agreement, identity, micro and bench, one JSON."""
+    import real
+    from benchmarks.gpu_check import run
+
+    real.need(real.HUMANEVAL)
+    bundle, reference = tmp_path / "cuda", tmp_path / "reference"
+    tiny.export(tiny_models.llama, bundle, quant="fp16", drafts=(str(tiny_models.draft), "layer-skip:2"), max_context=512, device="cuda")
+    tiny.export(tiny_models.llama, reference, quant="fp32", max_context=512)
+    record = run(tmp_path / "out", "unused", bundle, reference, "fp16", 1, 8, provider="cpu")
+    assert record["passed"], record.get("error")
+    placement = record["profiled_placement"]["node_events_per_stage"]
+    assert placement and all(set(c) == {"CPUExecutionProvider"} and sum(c.values()) > 0 for c in placement.values())
+    assert record["logits_vs_fp32_cpu"]["top1_agreement"] >= 0.9
+    assert all(row["identical"] == row["prompts"] for row in record["greedy_identity"].values())
+    assert json.loads((tmp_path / "out" / "gpu_check.json").read_text())["passed"]
+
+
+def test_gpu_check_fails_without_the_provider(tmp_path):
+    from benchmarks.gpu_check import run
+
+    record = run(tmp_path, "unused", None, None, "int4", 1, 8, provider="cuda")
+    assert not record["passed"] and "onnxruntime-gpu" in record["error"]
