@@ -1,6 +1,7 @@
 """python -m benchmarks precision MODEL BUNDLE... [--prompts N] [--out FILE.json]
 python -m benchmarks ab OLD_BUNDLE NEW_BUNDLE [--blocks 1,5] [--kv-len 512] [--repeats 40] [--out FILE.json]
 python -m benchmarks spinning BUNDLE [--repeats 120] [--kv-len 512] [--out FILE.json]
+python -m benchmarks activations MODEL [--out FILE.json]
 python -m benchmarks gpu_check --out DIR [--bundle DIR] [--reference DIR] ... (benchmarks/gpu_check.py)"""
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ def main() -> int:
     ab.add_argument("--kv-len", type=int, default=512, help="rows already in the KV cache")
     ab.add_argument("--repeats", type=int, default=40)
     ab.add_argument("--out", help="write the result as JSON here")
+    activations = sub.add_parser("activations", help="largest |activation| per kind (does float16 hold it?)")
+    activations.add_argument("model")
+    activations.add_argument("--out", help="write the result as JSON here")
     spinning = sub.add_parser("spinning", help="intra-op spinning off against spin-and-stop, timed alternately")
     spinning.add_argument("bundle")
     spinning.add_argument("--repeats", type=int, default=120)
@@ -37,7 +41,12 @@ def main() -> int:
     spinning.add_argument("--out", help="write the result as JSON here")
     args = parser.parse_args()
 
-    if args.command == "spinning":
+    if args.command == "activations":
+        from benchmarks.activations import measure
+
+        rows = measure(args.model)
+        print(json.dumps(rows))
+    elif args.command == "spinning":
         from benchmarks.spinning import compare as compare_spinning
 
         rows = compare_spinning(args.bundle, args.repeats, args.kv_len)

@@ -63,7 +63,7 @@ def load_verdict(device: str, provider: str) -> str | None:
         return None
     if provider == "cpu":
         if device in ("cuda", "dml"):
-            return (f"this bundle was exported for --device {device} (float16 graphs); the CPU provider runs them slower "
-                    "than a --device cpu bundle")
+            return (f"this bundle was exported for --device {device} (float16 activations): the CPU provider casts its "
+                    "float16 Add, Mul and Sigmoid nodes to float32 and holds more memory; --device cpu bundles are built for it")
         return None
     return f"this bundle was exported for --device {device}; on {provider} export it with --device {provider}"

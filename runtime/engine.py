@@ -134,16 +134,21 @@ class Engine:
         node for node (its sessions run without CPU fallback); warn when it would only be slow."""
         manifest, warnings = self.bundle.manifest, []
         for group, roles in (("target", ("target", "layer_skip")), ("draft", ("draft",))):
-            provider = self.provider_choices[group].provider
+            choice = self.provider_choices[group]
+            provider = choice.provider
             keys = [k for role in roles if role in manifest.models for k in manifest.models[role].stages]
             if provider in NO_CPU_FALLBACK:
                 stages = {k: manifest.stages[k] for k in dict.fromkeys(keys) if manifest.stages[k].file and k not in manifest.coreml}
                 report = check_bundle(dataclasses.replace(manifest, stages=stages), self.bundle.path, provider)
                 if not report.ok:
-                    raise BundleError(
-                        f"bundle {self.bundle.path} (--device {manifest.device}) cannot run on {provider}: {report.summary()}; "
-                        f"re-export it with --device {provider} (`python -m runtime check BUNDLE --provider {provider}` lists the nodes)"
-                    )
+                    why = f"bundle {self.bundle.path} (--device {manifest.device}) cannot run on {provider}: {report.summary()}"
+                    fix = f"re-export it with --device {provider} (`python -m runtime check BUNDLE --provider {provider}` lists the nodes)"
+                    if not (self.config.allow_fallback or choice.requested == "auto"):
+                        raise BundleError(f"{why}; {fix}")
+                    # auto (or --allow-fallback) means the best provider that works: here the CPU.
+                    self.provider_choices[group] = dataclasses.replace(choice, provider="cpu", fallback_from=provider, reason=report.summary())
+                    warnings.append(f"{why}; running on the CPU instead; {fix}")
+                    provider = "cpu"
             verdict = load_verdict(manifest.device, provider) if keys and (group == "target" or "draft" in manifest.models) else None
             if verdict and verdict not in warnings:
                 warnings.append(verdict)

@@ -45,11 +45,15 @@ def need(*files: str) -> Path:
 def _exporter_hash() -> str:
     digest = hashlib.sha256()
     # What decides a bundle's bytes: the traced module, the graph export, quantization, the
-    # graph names, and the manifest schema version (bumped whenever its format changes).
+    # graph names, the device profiles, and the manifest schema version (bumped whenever its format changes).
     from edge_spec.manifest import SCHEMA_VERSION
 
-    for name in ("export/static_cache.py", "export/onnx_graphs.py", "export/quantize.py", "edge_spec/names.py", "edge_spec/profiles.py"):
+    for name in ("export/static_cache.py", "export/onnx_graphs.py", "export/quantize.py", "edge_spec/names.py"):
         digest.update((ROOT / name).read_bytes())
+    from edge_spec.profiles import PROFILES  # the facts of each profile that decide bytes, not its messages
+
+    for p in PROFILES.values():
+        digest.update(repr((p.name, p.activations, p.kv_dtype, p.attentions, p.quants, p.quantized_embedding)).encode())
     digest.update(str(SCHEMA_VERSION).encode())
     return digest.hexdigest()[:12]
 

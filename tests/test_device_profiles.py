@@ -262,9 +262,19 @@ def test_gpu_providers_refuse_a_bundle_they_cannot_place(bundles, monkeypatch):
         Engine(bundles["llama"], EngineConfig(provider="cuda", drafter="none", calibrate=False))
 
 
+def test_auto_provider_falls_back_to_the_cpu_for_a_bundle_cuda_cannot_place(bundles, monkeypatch):
+    import runtime.engine as engine_module
+    from runtime.sessions import ProviderChoice
+
+    monkeypatch.setattr(engine_module, "resolve_provider", lambda name, allow: ProviderChoice("cuda", "auto", ("CUDAExecutionProvider", "CPUExecutionProvider")))
+    engine = Engine(bundles["llama"], EngineConfig(provider="auto", drafter="none", calibrate=False))
+    assert engine.provider == "cpu" and engine.provider_report()["target"]["fallback_from"] == "cuda"
+    assert any("cannot run on cuda" in w and "--device cuda" in w for w in engine.warnings)
+
+
 def test_float16_bundle_on_the_cpu_warns(cuda_bundles):
     engine = _cpu_engine(cuda_bundles["llama-fp16"])
-    assert len(engine.warnings) == 1 and "--device cuda" in engine.warnings[0] and "slower" in engine.warnings[0]
+    assert len(engine.warnings) == 1 and "--device cuda" in engine.warnings[0] and "--device cpu bundles" in engine.warnings[0]
 
 
 def test_manifest_kv_dtype_must_follow_the_profile(cuda_bundles, tmp_path):

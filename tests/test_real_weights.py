@@ -56,7 +56,7 @@ def _top1_against_transformers(bundles: list, gguf_file: str, n_humaneval: int =
     torch, model, _ = _hf(gguf_file)
     engines = [Engine(b, EngineConfig(provider="cpu", drafter="none", calibrate=False)) for b in bundles]
     prompts = [engines[0].encode(prompt=p) for p in RAW_PROMPTS] + [engines[0].encode(messages=m) for m in CHAT]
-    prompts += [engines[0].encode(messages=m) for m in real.humaneval_messages(n_humaneval)]
+    prompts += [engines[0].encode(messages=m) for m in real.humaneval_messages(n_humaneval)] if n_humaneval else []
     rows = {}
     for bundle, engine in zip(bundles, engines):
         agree = total = 0

@@ -60,8 +60,9 @@ def test_refuses_fp16_and_fp16_kv(bundle, tmp_path):
     data["models"]["target"]["quant"] = "fp32"
     for model in data["models"].values():
         model["arch"]["kv_dtype"] = "float16"
+    data["device"] = "cuda"  # float16 KV is what the GPU profiles keep
     path.write_text(json.dumps(data))
-    with pytest.raises(pb.PackageError, match="float16 KV"):
+    with pytest.raises(pb.PackageError, match="--device cuda"):
         pb.package(bundle, tmp_path / "out", pb.parse_size("3GB"), None, None, "assets", log=lambda m: None)
 
 
@@ -87,7 +88,9 @@ def test_refuses_fused_attention(bundle, tmp_path):
     data = json.loads(path.read_text())
     stage = data["stages"]["target.trunk"]
     stage["attention"] = "fused"
-    stage["outputs"] = names.stage_outputs(stage["head"], range(stage["layer_start"], stage["layer_end"]), "fused")
+    layers = range(stage["layer_start"], stage["layer_end"])
+    stage["inputs"] = names.stage_inputs(stage["embed"], stage["head"], layers, "fused")
+    stage["outputs"] = names.stage_outputs(stage["head"], layers, "fused")
     path.write_text(json.dumps(data))
     with pytest.raises(pb.PackageError, match="--attention portable"):
         pb.package(bundle, tmp_path / "out", pb.parse_size("3GB"), None, None, "assets", log=lambda m: None)

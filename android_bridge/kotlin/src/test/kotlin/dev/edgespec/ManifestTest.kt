@@ -44,6 +44,7 @@ class ManifestTest {
         stage.put("outputs", org.json.JSONArray(Names.stageOutputs(false, 0 until stage.getInt("layer_end")).map { it.replace("new_", "present_") }))
     }), "re-export with `python -m export MODEL --attention portable`")
     @Test fun `unknown field`() = refused(mutated({ it.put("extra", 1) }), "unknown field(s) [extra]")
+    @Test fun `gpu device profile refused`() = refused(mutated({ it.put("device", "cuda") }), "exported for --device cuda", "--device cpu")
     @Test fun `no target`() = refused(mutated({ m -> val models = m.getJSONObject("models"); models.put("x", models.remove("target")); m.remove("default_draft") }), "no 'target' model")
     @Test fun `unknown quantization`() = refused(mutated({ it.getJSONObject("models").getJSONObject("target").put("quant", "int3") }), "unknown quantization 'int3'")
     @Test fun `missing file`() = refused(mutated({}, { File(it, "tokenizer.json").delete() }), "bundle file missing")
