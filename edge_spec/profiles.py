@@ -3,7 +3,7 @@ the runtime does when a bundle meets a provider.
 
 A profile fixes the graphs' activation and KV types, their attention kind and the weight
 formats they can hold; `runtime check` proves, node by node, that a provider has a kernel for
-each (runtime/placement.py, kernel tables in runtime/kernels/).
+each (edge_spec/placement.py, kernel tables in edge_spec/kernels/).
 """
 
 from __future__ import annotations

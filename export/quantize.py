@@ -86,7 +86,12 @@ def quantize_file(src: Path, dst: Path, quant: str, activations: str = "float32"
 
         model = onnx.load(str(src), load_external_data=True)
         # GroupQueryAttention stays float32: its past/present must be the float32 graph inputs
-        # themselves (in place), not float16 casts of them.
+        # themselves (in place), not float16 casts of them. Its outputs' recorded types go: the
+        # converter would retype them float16 and the blocked node's casts would then mismatch.
+        blocked = {o for n in model.graph.node if n.op_type == "GroupQueryAttention" for o in n.output}
+        kept = [v for v in model.graph.value_info if v.name not in blocked]
+        del model.graph.value_info[:]
+        model.graph.value_info.extend(kept)
         model = convert_float_to_float16(model, keep_io_types=True, disable_shape_infer=True, op_block_list=["GroupQueryAttention"])
         save(model, dst)
     elif quant in ("int4", "int8"):

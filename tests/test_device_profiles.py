@@ -245,6 +245,14 @@ def test_export_refuses_what_a_profile_cannot_express(args, message, tiny_models
     assert not (tmp_path / "b").exists() and not (tmp_path / "b.partial").exists()
 
 
+def test_cpu_profile_fp16_still_exports_and_runs(tiny_models, hf_models, tmp_path):
+    """The CPU provider casts the float16 nodes it has no kernel for, so the export's check must
+    not refuse an fp16 --device cpu bundle for them."""
+    tiny.export(tiny_models.qwen2, tmp_path / "b", quant="fp16")
+    ids = hf_models["qwen2"][1](tiny.PROMPT).input_ids
+    assert (_cpu_engine(tmp_path / "b").target.forward(ids).argmax(-1) == tiny.hf_logits(hf_models["qwen2"][0], ids).argmax(-1)).mean() >= 0.95
+
+
 def test_export_refuses_an_unknown_device(tiny_models, tmp_path):
     proc = _run("export", tiny_models.llama, "--out", tmp_path / "b", "--device", "tpu")
     assert proc.returncode == 2 and "invalid choice: 'tpu'" in proc.stderr
