@@ -2,6 +2,7 @@
 python -m benchmarks ab OLD_BUNDLE NEW_BUNDLE [--blocks 1,5] [--kv-len 512] [--repeats 40] [--out FILE.json]
 python -m benchmarks spinning BUNDLE [--repeats 120] [--kv-len 512] [--out FILE.json]
 python -m benchmarks activations MODEL [--out FILE.json]
+python -m benchmarks greedy_stability BUNDLE... [--prompts SPEC] [--tokens N] [--out FILE.json]
 python -m benchmarks gpu_check --out DIR [--bundle DIR] [--reference DIR] ... (benchmarks/gpu_check.py)"""
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ def main() -> int:
     spinning.add_argument("--repeats", type=int, default=120)
     spinning.add_argument("--kv-len", type=int, default=512, help="rows already in the KV cache")
     spinning.add_argument("--out", help="write the result as JSON here")
+    stability = sub.add_parser("greedy_stability", help="1-row vs block logits, and greedy identity with block-stable mode off and on")
+    stability.add_argument("bundles", nargs="+")
+    stability.add_argument("--prompts", default="humaneval:20", help="runtime bench's prompt spec (default humaneval:20)")
+    stability.add_argument("--tokens", type=int, default=128, help="greedy tokens per run (default 128)")
+    stability.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args()
 
     if args.command == "activations":
@@ -50,6 +56,10 @@ def main() -> int:
         from benchmarks.spinning import compare as compare_spinning
 
         rows = compare_spinning(args.bundle, args.repeats, args.kv_len)
+    elif args.command == "greedy_stability":
+        from benchmarks.greedy_stability import run as run_stability
+
+        rows = run_stability(args.bundles, args.prompts, args.tokens)
     elif args.command == "ab":
         from benchmarks.ab_passes import compare as compare_passes
 

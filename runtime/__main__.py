@@ -22,6 +22,8 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", default="auto", choices=DRAFTERS)
     parser.add_argument("--gamma", default="auto", help="draft length: auto (adaptive) or a number")
     parser.add_argument("--max-gamma", type=int, default=8)
+    parser.add_argument("--block-stable", action="store_true",
+                        help="every target pass scores at least 2 positions: greedy output independent of drafter and gamma at any quantization (plain steps cost more)")
 
 
 def _memory_size(text: str) -> int:
@@ -64,6 +66,7 @@ def _engine(args):
         coreml_compute_units=args.coreml_compute_units,
         coreml_static_shapes=args.coreml_static_shapes,
         memory_budget=getattr(args, "memory_budget", None),
+        block_stable=args.block_stable,
     )
     engine = Engine(args.bundle, config)
     print(engine.provider_line(), file=sys.stderr, flush=True)
@@ -115,29 +118,54 @@ def cmd_audit(args) -> int:
     import numpy as np
 
     from edge_spec.sampling import SamplingConfig
-    from runtime.audit import compare
-    from runtime.engine import GenerateConfig
+    from runtime import audit
 
     if args.temperature <= 0:
-        print("error: the audit compares sampled distributions: pass --temperature > 0", file=sys.stderr)
+        print("error: the audit tests sampled distributions: pass --temperature > 0", file=sys.stderr)
         return 2
+    if args.gamma != "auto" and not (args.gamma.isdigit() and int(args.gamma) > 0):
+        print(f"error: --gamma must be auto or a positive integer, got {args.gamma!r}", file=sys.stderr)
+        return 2
+    if args.draft == "none":
+        print("error: the audit tests speculation: pick a drafter other than none", file=sys.stderr)
+        return 2
+    config = audit.AuditConfig(args.samples, args.positions, args.alpha, args.simulations, args.seed)  # ValueError: exit 2
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
     engine = _engine(args)
     prompt_ids = _prompt_ids(engine, args)
-    runs = {}
-    for speculative in (True, False):
-        rows = []
-        for i in range(args.samples):
-            sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, seed=args.seed + i + (0 if speculative else 10**6))
-            result = engine.generate(prompt_ids, GenerateConfig(args.positions, sampling), speculative=speculative)
-            rows.append((result.token_ids + [-1] * args.positions)[: args.positions])
-        runs[speculative] = np.array(rows)
-    report = compare(runs[True], runs[False], seed=args.seed)
+    if args.self_test:
+        runner = getattr(getattr(engine.drafter, "model", None) or engine.drafter, "runner", None)
+        if runner is None:
+            print(f"error: --self-test samples from the draft's q: drafter {args.draft!r} has no draft model", file=sys.stderr)
+            return 2
+        samples = audit.plain_samples(runner, prompt_ids, sampling, config, seed_offset=0)
+        engine.target.cache.reset()
+        law = audit.ExactLaw(engine.target, prompt_ids, sampling).rows(samples)
+        positions, detectable = audit.goodness_of_fit(samples, law, config)
+        detected = any(p.p_value <= config.threshold for p in positions)
+        report = {"self_test": True, "detected": detected, "threshold": config.threshold, "detectable_tv": detectable,
+                  "positions": [p.__dict__ for p in positions]}
+        if args.json:
+            print(json.dumps(report))
+        else:
+            for p in positions:
+                print(f"position {p.position}: TV {p.tv:.4f}, p-value {p.p_value:.4f}")
+            print(f"SELF-TEST {'OK: the test tells the draft' if detected else 'FAILED: the test cannot tell the draft'}'s samples from the target's law")
+        return 0 if detected else 1
+    gamma = args.gamma
+    run = audit.speculative_samples(engine, prompt_ids, sampling, config)
+    if args.against == "plain":
+        plain = audit.speculative_samples(engine, prompt_ids, sampling, config, speculative=False, seed_offset=10**6)
+        positions = audit.two_sample(run.tokens, plain.tokens, config)
+        report = audit.AuditReport("plain", args.draft, gamma, config.samples, config.alpha, config.n_simulations, tuple(positions),
+                                   run.drafted_tokens, run.samples_drafted, run.rejections, run.residual_tokens, None)
+    else:
+        law = audit.ExactLaw(engine.target, prompt_ids, sampling).rows(run.tokens)
+        report = audit.audit_exact(run.tokens, run, law, config, args.draft, gamma)
     if args.json:
         print(json.dumps(report.to_dict()))
     else:
-        for p in report.positions:
-            print(f"position {p.position}: TV {p.tv_distance:.4f}, p-value {p.p_value:.3f}, {p.distinct_tokens} distinct tokens")
-        print(f"{'PASS' if report.passed else 'FAIL'}: {report.samples} samples per mode, family-wise alpha {report.alpha}")
+        print("\n".join(report.lines()))
     return 0 if report.passed else 1
 
 
@@ -242,8 +270,14 @@ def main(argv: list[str] | None = None) -> int:
     audit = sub.add_parser("audit", help="check that speculation leaves the output distribution unchanged")
     _engine_args(audit)
     _prompt_args(audit)
-    audit.add_argument("--samples", type=int, default=300)
-    audit.add_argument("--positions", type=int, default=3, help="first K generated tokens compared")
+    audit.set_defaults(gamma="4")  # a fixed γ drafts in every sample; auto may draft in few
+    audit.add_argument("--samples", type=int, default=600, help="speculative samples (default 600)")
+    audit.add_argument("--positions", type=int, default=3, help="first K generated tokens tested (default 3)")
+    audit.add_argument("--alpha", type=float, default=0.01, help="family-wise significance level (default 0.01)")
+    audit.add_argument("--simulations", type=int, help="draws for each p-value (default: 10 / (alpha / K))")
+    audit.add_argument("--against", default="exact", choices=("exact", "plain"),
+                       help="exact: the target's own law (default); plain: a two-sample test against plain samples")
+    audit.add_argument("--self-test", action="store_true", help="draw the samples from the draft's q instead: the test must reject them")
     audit.add_argument("--seed", type=int, default=0)
     audit.add_argument("--json", action="store_true")
     audit.set_defaults(func=cmd_audit)

@@ -57,6 +57,13 @@ class EngineConfig:
     calibrate: bool = True  # time target and draft passes at load, to seed the cost model
     memory_budget: int | None = None  # bytes: refuse, before loading, a plan (edge_spec.budget) that exceeds it
     profile_prefix: str | None = None  # ONNX Runtime profiling into files with this prefix (which provider ran each node)
+    # Every target pass scores at least 2 positions, so no logit depends on whether its token
+    # was drafted: greedy output is the same for every drafter and γ at any quantization
+    # (runtime/model.py; the cost is in BENCHMARKS.md).
+    block_stable: bool = False
+
+    def __post_init__(self):
+        GammaConfig(fixed=self.gamma, max_gamma=self.max_gamma)  # raises ValueError on a γ it cannot run
 
 
 @dataclass(frozen=True)
@@ -80,6 +87,7 @@ class GenerationResult:
     stop_reason: str  # eos | stop | length | context | cancelled
     timings: dict
     stats: dict
+    rounds: tuple[tuple[int, int], ...] = ()  # (drafted, accepted) per target pass, in order
 
 
 class Engine:
@@ -192,7 +200,8 @@ class Engine:
             owner_stages = [manifest.stages[key] for key in manifest.models[owner].stages]
             device = kv_device(owner_stages, [self._sessions[key] for key in manifest.models[owner].stages])
             self._caches[owner] = KVCache(range(arch.n_layers), arch.n_kv_heads, arch.max_context, arch.head_dim, arch.kv_dtype, device)
-        return ModelRunner(role, info, stages, sessions, self._caches[owner])
+        min_rows = 2 if self.config.block_stable and role == "target" else 1
+        return ModelRunner(role, info, stages, sessions, self._caches[owner], min_rows)
 
     def _model_drafter(self, kind: str) -> Drafter | None:
         models = self.bundle.manifest.models
@@ -387,7 +396,8 @@ class Engine:
             "decode_s": decode_s,
             "decode_tokens_per_s": len(generated) / decode_s,
         }
-        return GenerationResult(text, list(prompt_ids), generated, stop_reason or "length", timings, stats)
+        rounds = tuple((s.n_drafted, s.n_accepted) for s in steps)
+        return GenerationResult(text, list(prompt_ids), generated, stop_reason or "length", timings, stats, rounds)
 
 
 __all__ = ["Engine", "EngineConfig", "GenerateConfig", "GenerationResult", "BundleError", "PromptTooLongError"]

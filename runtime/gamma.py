@@ -19,6 +19,9 @@ import numpy as np
 from edge_spec.verify import expected_tokens_per_pass
 
 
+MAX_GAMMA = 64  # start-up calibration times every verify block up to max_gamma + 1
+
+
 @dataclass(frozen=True)
 class GammaConfig:
     fixed: int | None = None  # None: adaptive
@@ -41,6 +44,12 @@ class GammaConfig:
     # Pseudo-counts of acceptance evidence a new sequence starts from: what earlier sequences
     # taught, shrunk to a prior that a few rounds of a different kind of text can overturn.
     prior_weight: float = 4.0
+
+    def __post_init__(self):
+        if self.fixed is not None and not 1 <= self.fixed <= MAX_GAMMA:
+            raise ValueError(f"gamma must be 1..{MAX_GAMMA} (or adaptive), got {self.fixed}; --draft none decodes without drafting")
+        if not 1 <= self.max_gamma <= MAX_GAMMA:
+            raise ValueError(f"max_gamma must be 1..{MAX_GAMMA}, got {self.max_gamma}")
 
 
 class CostModel:

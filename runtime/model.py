@@ -16,8 +16,12 @@ class ModelRunner:
     sessions); the cache is the role's own, or the target's for a layer-skip draft.
     """
 
-    def __init__(self, role: str, info: ModelInfo, stages: list[StageInfo], sessions: list, cache: KVCache):
+    def __init__(self, role: str, info: ModelInfo, stages: list[StageInfo], sessions: list, cache: KVCache, min_rows: int = 1):
         self.role = role
+        # Block-stable mode (min_rows 2): ONNX Runtime's CPU kernels compute a row differently
+        # in a 1-row pass than in a pass of 2 or more, and quantized activations amplify that;
+        # rows of any pass of 2 or more agree bit for bit, so every pass gets at least 2.
+        self.min_rows = min_rows
         self.info = info
         self.stages = stages
         self.sessions = sessions
@@ -88,6 +92,11 @@ class ModelRunner:
         self.cache.check_room(start, block)
         n_logits = block if n_logits is None else n_logits
         logit_positions = np.arange(block - n_logits, block, dtype=np.int64)
+        # A padded row (the last token again) is computed and dropped; at the context's end there is no room for it.
+        pad = min(max(self.min_rows - block, 0), self.cache.max_context - start - block)
+        if self.min_rows > 1:
+            trunk_hidden = None  # a layer-skip draft computed those trunk rows in 1-row passes
+            token_ids = np.concatenate([token_ids, np.repeat(token_ids[-1:], pad)])
         n_trunk_done = 0 if trunk_hidden is None else trunk_hidden.shape[1]
         x = token_ids[None, n_trunk_done:]
         for index in range(len(self.stages)):
@@ -96,6 +105,7 @@ class ModelRunner:
             else:
                 x = self.run_stage(index, x, start, logit_positions)
         self.cache.extend(token_ids)
+        self.cache.kv_len -= len(token_ids) - block
         return x[0]  # [N,V]
 
     def prefill(self, token_ids, chunk: int = 256) -> None:

@@ -1,0 +1,175 @@
+"""The loop under sampling, without model files: the joint law of the first tokens that
+`decode_steps` emits, per drafter, sampling setting and γ, against the exact law of the toy
+target, tested with the audit's statistics (runtime/audit.py). The same tests fail when the
+loop is given a known-wrong verifier.
+
+Toy models (tests/test_loop_toy.py) read their context from a real KVCache, so a loop that
+rolls back wrongly changes the law too. The draft model is the target with noise on its
+logits: similar enough to accept often, different enough to reject often.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import runtime.loop
+from edge_spec.sampling import SamplingConfig, process_logits, sample
+from runtime import audit
+from runtime.drafters.draft_model import DraftModelDrafter
+from runtime.drafters.mixed import MixedDrafter
+from runtime.drafters.prompt_lookup import PromptLookupDrafter
+from runtime.gamma import CostModel, GammaConfig, GammaController
+from runtime.loop import decode_steps
+from tests.test_loop_toy import VOCAB, ToyLM, ToyRunner
+
+POSITIONS = 2
+SAMPLES = 11000
+ALPHA = 0.002  # per test: 18 tests of the law and a handful of wrong verifiers stay under 5% together
+CONFIGS = {
+    "T1": SamplingConfig(1.0),
+    "T0.7-topk20": SamplingConfig(0.7, top_k=20),
+    "T0.9-topp0.8": SamplingConfig(0.9, top_p=0.8),
+}
+
+
+class NoisyLM(ToyLM):
+    """The target's logits plus a fixed per-(last token, next token) perturbation."""
+
+    def __init__(self, target: ToyLM, scale: float = 1.5, seed: int = 11):
+        self.target = target
+        self.noise = np.random.default_rng(seed).normal(0, scale, size=(VOCAB, VOCAB))
+
+    def logits(self, context):
+        return self.target.logits(context) + self.noise[int(context[-1])]
+
+
+def _copy_prompt(lm: ToyLM) -> list[int]:
+    """[7, 21, y, 4, 9, 33, 7, 21]: prompt lookup proposes y, and y is the toy target's most
+    likely next token there, so copies are accepted often and rejected often."""
+    best = max(range(VOCAB), key=lambda y: (int(np.argmax(lm.logits([7, 21, y, 4, 9, 33, 7, 21]))) == y,
+                                            float(process_logits(lm.logits([7, 21, y, 4, 9, 33, 7, 21]), SamplingConfig(1.0))[y])))
+    return [7, 21, best, 4, 9, 33, 7, 21]
+
+
+PROMPT = _copy_prompt(ToyLM(5))
+
+
+def _drafter(kind: str, lm: ToyLM):
+    if kind == "lookup":
+        return PromptLookupDrafter()
+    model = DraftModelDrafter(ToyRunner(NoisyLM(lm)))
+    return model if kind == "model" else MixedDrafter(PromptLookupDrafter(), model)
+
+
+def loop_samples(kind: str, sampling: SamplingConfig, gamma: int, n: int = SAMPLES, seed: int = 0):
+    """n runs of decode_steps at fixed γ; the first POSITIONS tokens of each and what the
+    rounds that produced them did."""
+    lm = ToyLM(5)
+    target, drafter, costs = ToyRunner(lm), _drafter(kind, lm), CostModel()
+    controllers = {part.name: GammaController(GammaConfig(fixed=gamma), costs) for part in drafter.parts()}
+    rows, drafted, samples_drafted, rejections, residual = [], 0, 0, 0, 0
+    for i in range(n):
+        out, sample_drafted = [], 0
+        steps = decode_steps(target, drafter, PROMPT, sampling, np.random.default_rng(seed + i), controllers, costs)
+        for step in steps:
+            sample_drafted += step.n_drafted
+            rejected = step.n_accepted < step.n_drafted
+            rejections += rejected
+            out += step.tokens
+            residual += rejected and len(out) <= POSITIONS
+            if len(out) >= POSITIONS:
+                break
+        rows.append(out[:POSITIONS])
+        drafted += sample_drafted
+        samples_drafted += sample_drafted > 0
+    samples = np.array(rows, dtype=np.int64)
+    return samples, audit.SampleRun(samples, drafted, samples_drafted, rejections, residual), lm
+
+
+def exact_law(lm: ToyLM, samples: np.ndarray, sampling: SamplingConfig) -> dict:
+    drawn = [set(samples[:, k].tolist()) for k in range(samples.shape[1])]
+    return {prefix: audit.Row.of(process_logits(lm.logits(PROMPT + list(prefix)), sampling), drawn[len(prefix)])
+            for prefix in audit.observed_prefixes(samples)}
+
+
+def run_audit(kind: str, sampling: SamplingConfig, gamma: int) -> audit.AuditReport:
+    samples, run, lm = loop_samples(kind, sampling, gamma)
+    config = audit.AuditConfig(SAMPLES, POSITIONS, ALPHA, seed=1)
+    return audit.audit_exact(samples, run, exact_law(lm, samples, sampling), config, kind, str(gamma))
+
+
+@pytest.mark.parametrize("gamma", [1, 3])
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("kind", ["model", "lookup", "auto"])
+def test_loop_samples_follow_the_target_law(kind, config, gamma):
+    report = run_audit(kind, CONFIGS[config], gamma)
+    assert report.exercised, report.lines()
+    assert report.detectable_tv is not None and report.detectable_tv <= 0.02, report.lines()
+    assert report.passed, report.lines()
+
+
+# Known-wrong verifiers: each must make the same test fail.
+
+def _resample_from_p(target_probs, draft_probs, draft_tokens, rng):
+    """Rejection draws the correction from p itself, not from norm(max(0, p − q))."""
+    for position, token in enumerate(draft_tokens.tolist()):
+        p, q = float(target_probs[position, token]), float(draft_probs[position, token])
+        if not (p >= q or rng.random() * q < p):
+            return position, sample(target_probs[position], rng)
+    return len(draft_tokens), sample(target_probs[len(draft_tokens)], rng)
+
+
+def _residual_without_clamp(target_probs, draft_probs, draft_tokens, rng):
+    """The residual |p − q|: max(0, ·) dropped, mass where q > p counted too."""
+    for position, token in enumerate(draft_tokens.tolist()):
+        p, q = float(target_probs[position, token]), float(draft_probs[position, token])
+        if not (p >= q or rng.random() * q < p):
+            return position, sample(np.abs(target_probs[position] - draft_probs[position]), rng)
+    return len(draft_tokens), sample(target_probs[len(draft_tokens)], rng)
+
+
+def _greedy_acceptance(target_probs, draft_probs, draft_tokens, rng):
+    """Accept a drafted token only when it is p's argmax, then sample from p."""
+    for position, token in enumerate(draft_tokens.tolist()):
+        if token != int(np.argmax(target_probs[position])):
+            return position, sample(target_probs[position], rng)
+    return len(draft_tokens), sample(target_probs[len(draft_tokens)], rng)
+
+
+@pytest.mark.parametrize("wrong", [_resample_from_p, _residual_without_clamp, _greedy_acceptance], ids=lambda f: f.__name__.strip("_"))
+def test_a_wrong_verifier_fails_the_test(monkeypatch, wrong):
+    monkeypatch.setattr(runtime.loop, "verify_stochastic", wrong)
+    report = run_audit("model", CONFIGS["T1"], 3)
+    assert report.exercised
+    assert not report.passed, report.lines()
+
+
+def test_q_processed_unlike_p_fails_the_test(monkeypatch):
+    """Draft tokens sampled from q processed like p (T 0.7, top-k 20), but the verifier
+    handed q at temperature 1 without top-k."""
+    import runtime.drafters.draft_model as draft_model
+
+    def pick(logits, sampling, rng):
+        token = sample(process_logits(logits, sampling), rng)
+        return token, process_logits(logits, SamplingConfig(1.0))
+
+    monkeypatch.setattr(draft_model, "pick_token", pick)
+    report = run_audit("model", CONFIGS["T0.7-topk20"], 3)
+    assert report.exercised
+    assert not report.passed, report.lines()
+
+
+def test_lookup_resampling_the_rejected_token_fails_the_test(monkeypatch):
+    """q is one-hot for lookup: a rejection must never re-draw the rejected token."""
+
+    def wrong(target_probs, draft_tokens, rng):
+        for position, token in enumerate(draft_tokens.tolist()):
+            if not rng.random() < float(target_probs[position, token]):
+                return position, sample(target_probs[position], rng)
+        return len(draft_tokens), sample(target_probs[len(draft_tokens)], rng)
+
+    monkeypatch.setattr(runtime.loop, "verify_deterministic", wrong)
+    report = run_audit("lookup", CONFIGS["T1"], 3)
+    assert report.exercised
+    assert not report.passed, report.lines()
