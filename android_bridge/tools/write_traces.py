@@ -600,13 +600,20 @@ def generation_trace(engine, prompt_ids, drafter: str, gamma: int | None, sampli
 
 
 def stop_trace(engine, prompt_ids, drafter: str, sampling: SamplingConfig, max_new: int) -> dict:
-    """Engine.generate with two stop strings taken from the plain output, the later-listed one
-    occurring earlier in the text: the earliest in the text must win."""
+    """Engine.generate with two stop strings inside one piece of the output (so one round
+    brings both), the later-listed one starting first: the earliest in the text must win."""
     from runtime.engine import GenerateConfig
 
     engine.use_drafter(drafter, 3)
-    plain = engine.generate(prompt_ids, GenerateConfig(max_new, sampling)).text
-    stops = (plain[len(plain) * 2 // 3 :][:3], plain[len(plain) // 3 :][:2]) if len(plain) >= 6 else ()
+    text, stops = "", ()
+    for piece, _ in engine.stream(prompt_ids, GenerateConfig(max_new, sampling)):
+        first, second = piece[1:3], piece[:2]
+        # Some text first, so the cut lands inside a later round.
+        if not stops and len(text) >= 8 and len(piece) >= 3 and first != second and first not in text + piece[0] and second not in text:
+            stops = (first, second)
+        text += piece
+    if not stops:
+        raise SystemExit(f"write_traces: no piece of 3+ characters to take stop strings from ({drafter}: {text!r})")
     result = engine.generate(prompt_ids, GenerateConfig(max_new, sampling, stops))
     return {"drafter": drafter, "gamma": 3, "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
             "seed": sampling.seed, "max_new_tokens": max_new, "stop": list(stops), "text": result.text,
