@@ -6,10 +6,10 @@ import numpy as np
 
 from edge_spec.commit import commit
 from edge_spec.sampling import SamplingConfig
+from runtime.drafters.draft_model import DraftModelDrafter
 from runtime.gamma import CostModel, GammaConfig, GammaController
 from runtime.kv_cache import KVCache
 from runtime.loop import decode_steps
-from runtime.drafters.draft_model import DraftModelDrafter
 
 PIECES = ["a", "b", "c", "END", "xa", "yz"]
 EOS = {3}

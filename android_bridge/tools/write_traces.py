@@ -7,10 +7,16 @@ Writes JSON files into OUT_DIR:
   sampling.json    process_logits / sample cases: logits, config, probabilities, drawn tokens
   verify.json      verify_greedy / verify_stochastic / verify_deterministic cases
   gamma.json       GammaController decisions for fixed cost tables and outcomes
+  commit.json      edge_spec/commit.py on hand-made and random rounds (budget, context, EOS, stop strings)
+  cost_model.json  CostModel target_cost / replay_cost / cost_ratio after recorded measurements
+  loop.json        decode_steps on fake models (logits recorded per prefix): the empty-residual fallback,
+                   adaptive γ with a fake clock (its readings recorded), round by round
+  drafter.json     DraftModelDrafter's cache length after each reset / propose / accepted
   tok_<name>.json  tokenizer cases: text -> ids (with and without special tokens) -> decoded text,
                    plus decodes of random id sequences; the tokenizer.json beside it
   model_<name>.json  a bundle path, prompt ids, logits, and generations per (drafter, γ, sampling):
-                   emitted tokens, per-round drafted/accepted counts, the uniforms consumed
+                   emitted tokens, per-round drafted/accepted counts, the uniforms consumed; adaptive-γ
+                   runs with the fake clock's readings; Engine.generate with stop strings
 Tiny random-weight bundles are built with tests/tiny.py (llama with a draft model and layer skip,
 qwen2); the real one is tests/real.py's smollm2-fp32 (SmolLM2-135M from $EDGE_SPEC_MODELS).
 The Qwen2 tokenizer comes from any qwen bundle present, else from the official GGUF.
