@@ -17,6 +17,7 @@ from typing import Iterator
 import numpy as np
 
 from edge_spec.budget import plan_bundle
+from edge_spec.commit import commit
 from edge_spec.manifest import BundleError
 from edge_spec.placement import check_bundle
 from edge_spec.profiles import load_verdict
@@ -328,28 +329,11 @@ class Engine:
             if first_step_at is None:
                 first_step_at = time.perf_counter()
             steps.append(step)
-            # A round may commit tokens past where plain decoding would have stopped: cut at
-            # the token budget and the context first, then look for EOS within what is kept.
-            budget = config.max_new_tokens - len(generated)
+            # A round may commit tokens past where plain decoding would have stopped.
             room = max_context - len(prompt_ids) - len(generated)
-            new = list(step.tokens)[: min(budget, room)]
-            eos_at = next((i for i, token in enumerate(new) if token in eos), None)
-            if eos_at is not None:
-                new, stop_reason = new[: eos_at + 1], "eos"
-            elif len(new) == budget:
-                stop_reason = "length"
-            elif len(new) == room:
-                stop_reason = "context"
-            generated += new
-            piece = decoder.push(new)
-            text += piece
-            if config.stop:
-                # The earliest stop string in the text wins, whichever the caller listed first.
-                hits = [at for at in (text.find(s, max(0, len(text) - len(piece) - len(s))) for s in config.stop) if at >= 0]
-                if hits:
-                    cut = min(hits)
-                    piece = piece[: max(0, len(piece) - (len(text) - cut))]
-                    text, stop_reason = text[:cut], "stop"
+            kept = commit(step.tokens, len(generated), config.max_new_tokens, room, eos, text, config.stop, decoder.push)
+            generated += kept.tokens
+            piece, text, stop_reason = kept.piece, kept.text, kept.stop_reason
             if piece:
                 yield piece, None
             if stop_reason is None and cancel is not None and cancel.is_set():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -50,16 +50,20 @@ def decode_steps(
     rng: np.random.Generator,
     controllers: dict[str, GammaController],
     costs: CostModel,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> Iterator[Step]:
-    """controllers: one γ controller per drafter in drafter.parts(), by name."""
+    """controllers: one γ controller per drafter in drafter.parts(), by name. clock: seconds,
+    read for every timing the cost model and γ controllers learn from (the drafters' too), so
+    a fake clock makes adaptive γ deterministic."""
     tokens = np.asarray(prompt_ids, dtype=np.int64)
     # Rows that already hold a prefix of this prompt (a previous turn of a chat) are kept.
     target.cache.rollback_to_prefix(tokens[:-1])
     if drafter is not None:
+        drafter.set_clock(clock)
         drafter.reset(tokens[:-1])
     target.prefill(tokens[target.cache.kv_len : -1])  # the last prompt token stays pending: every round feeds it first
     while True:
-        began = time.perf_counter()
+        began = clock()
         active = drafter.select(tokens) if drafter is not None else None
         n_gamma = 0
         if active is not None:
@@ -67,11 +71,11 @@ def decode_steps(
             replay_cost = costs.replay_cost(active.name, active.replay_tokens(tokens))
             n_gamma = min(controllers[active.name].choose(step_cost, replay_cost), target.cache.max_context - len(tokens))
         proposal = active.propose(tokens, n_gamma, sampling, rng) if n_gamma > 0 else None
-        drafted_at = time.perf_counter()
+        drafted_at = clock()
         n_drafted = 0 if proposal is None else len(proposal.tokens)
         block = tokens[-1:] if proposal is None else np.concatenate([tokens[-1:], proposal.tokens])
         logits = target.forward(block, trunk_hidden=None if proposal is None else proposal.trunk_hidden)  # [γ+1,V]
-        verified_at = time.perf_counter()
+        verified_at = clock()
         n_accepted, next_token = verify(logits, proposal, sampling, rng)
         new_tokens = np.append(block[1 : 1 + n_accepted], next_token)
         tokens = np.concatenate([tokens, new_tokens])

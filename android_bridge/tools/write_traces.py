@@ -7,10 +7,16 @@ Writes JSON files into OUT_DIR:
   sampling.json    process_logits / sample cases: logits, config, probabilities, drawn tokens
   verify.json      verify_greedy / verify_stochastic / verify_deterministic cases
   gamma.json       GammaController decisions for fixed cost tables and outcomes
+  commit.json      edge_spec/commit.py on hand-made and random rounds (budget, context, EOS, stop strings)
+  cost_model.json  CostModel target_cost / replay_cost / cost_ratio after recorded measurements
+  loop.json        decode_steps on fake models (logits recorded per prefix): the empty-residual fallback,
+                   adaptive γ with a fake clock (its readings recorded), round by round
+  drafter.json     DraftModelDrafter's cache length after each reset / propose / accepted
   tok_<name>.json  tokenizer cases: text -> ids (with and without special tokens) -> decoded text,
                    plus decodes of random id sequences; the tokenizer.json beside it
   model_<name>.json  a bundle path, prompt ids, logits, and generations per (drafter, γ, sampling):
-                   emitted tokens, per-round drafted/accepted counts, the uniforms consumed
+                   emitted tokens, per-round drafted/accepted counts, the uniforms consumed; adaptive-γ
+                   runs with the fake clock's readings; Engine.generate with stop strings
 Tiny random-weight bundles are built with tests/tiny.py (llama with a draft model and layer skip,
 qwen2); the real one is tests/real.py's smollm2-fp32 (SmolLM2-135M from $EDGE_SPEC_MODELS).
 The Qwen2 tokenizer comes from any qwen bundle present, else from the official GGUF.
@@ -25,6 +31,7 @@ import random
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -152,6 +159,301 @@ def gamma_traces() -> list[dict]:
     return cases
 
 
+class RecordingClock:
+    """A fake clock for decode_steps: time moves only when `advance` is called (by the fake or
+    wrapped models, as their passes would take), and every reading is recorded for the JVM."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.readings: list[float] = []
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def __call__(self) -> float:
+        self.readings.append(self.now)
+        return self.now
+
+
+class ScriptedRng(RecordingRng):
+    """Hands out the given uniforms first, then numpy's stream; records all of them."""
+
+    def __init__(self, first: list[float], seed: int):
+        super().__init__(seed)
+        self.first = list(first)
+
+    def random(self):
+        if self.first:
+            u = self.first.pop(0)
+            self.drawn.append(u)
+            return u
+        return super().random()
+
+
+def commit_traces() -> list[dict]:
+    """The commit policy (edge_spec/commit.py) on hand-made and random rounds; decoding is
+    the concatenation of a small piece table."""
+    from edge_spec.commit import commit
+
+    pieces = ["a", "b", "c", "ab", "\n", "END", "E", "ND", " ", "x", "😀", "yz", "<", "/s>", "é", "stop"]
+    eos = [1, 5]
+    fixed = [
+        # (step tokens, generated so far, max new, room, text before, stops)
+        ([0, 1], 2, 4, 100, "ab", []),  # EOS exactly at the budget: eos
+        ([0, 2, 1], 2, 4, 100, "ab", []),  # EOS beyond the budget: cut at the budget, no EOS
+        ([0, 2, 3, 1], 0, 10, 2, "", []),  # EOS beyond the context: context
+        ([0, 1, 2], 0, 2, 100, "", []),  # EOS inside the budget, then more
+        ([9, 0, 11, 2], 0, 20, 100, "", ["yz", "xa"]),  # the later-listed stop occurs earlier
+        ([3, 12, 13], 0, 20, 100, "x", ["</s>", "ab<"]),  # two stops overlap: the earliest start wins
+        ([6, 7], 0, 20, 100, "ab", ["END"]),  # a stop split across two tokens
+        ([7, 2], 1, 20, 100, "aE", ["END", "c"]),  # a stop that began in the earlier text
+        ([10, 15, 0], 0, 20, 100, "😀", ["stop", "😀s"]),  # astral characters before the cut
+        ([15, 1], 0, 20, 100, "", ["stop"]),  # EOS and a stop string in one round: stop
+        ([0, 0, 0], 0, 3, 3, "", []),  # budget and context at once: length
+    ]
+    gen = random.Random(19)
+    cases = []
+    for i in range(300):
+        if i < len(fixed):
+            step, n_generated, max_new, room, before, stops = fixed[i]
+        else:
+            step = [gen.randrange(len(pieces)) for _ in range(gen.randint(1, 6))]
+            max_new = gen.randint(1, 12)
+            n_generated = gen.randint(0, max_new - 1)
+            room = gen.randint(1, 10)
+            before = "".join(gen.choice(pieces[:4] + pieces[8:]) for _ in range(gen.randint(0, 3)))
+            stops = [gen.choice(["b", "ab", "END", "x", "c\n", "😀", "ND", "zz", "stop", "/s", "b a"]) for _ in range(gen.randint(0, 3))]
+            stops = [s for s in stops if s not in before]  # earlier text held no stop: decoding went on
+        result = commit(step, n_generated, max_new, room, eos, before, stops, lambda kept: "".join(pieces[t] for t in kept))
+        cases.append({"step": step, "n_generated": n_generated, "max_new_tokens": max_new, "room": room, "eos": eos,
+                      "text": before, "stops": stops, "kept": list(result.tokens), "piece": result.piece,
+                      "text_after": result.text, "stop_reason": result.stop_reason})
+    return [{"pieces": pieces, "cases": cases}]
+
+
+def cost_model_traces() -> list[dict]:
+    """CostModel.target_cost (interpolation, and the slope extended past the largest block),
+    replay_cost and cost_ratio for EMA-recorded tables."""
+    from runtime.gamma import CostModel
+
+    gen = np.random.default_rng(21)
+    cases = []
+    for i in range(16):
+        costs = CostModel()
+        records = []
+        blocks = sorted(gen.choice(np.arange(1, 10), size=int(gen.integers(1, 5)), replace=False).tolist())
+        for _ in range(int(gen.integers(1, 4))):
+            for b in blocks:
+                seconds = float(0.01 * (1 + 0.1 * b) * gen.uniform(0.7, 1.3))
+                costs.record_target(b, seconds)
+                records.append(["target", b, seconds])
+        if i % 2:
+            steps, seconds = int(gen.integers(1, 5)), float(gen.uniform(0.001, 0.01))
+            costs.record_draft("model", steps, seconds)
+            records.append(["draft", steps, seconds])
+        if i % 4 == 3:
+            n, seconds = int(gen.integers(1, 30)), float(gen.uniform(0.001, 0.02))
+            costs.record_replay("model", n, seconds)
+            records.append(["replay", n, seconds])
+        cases.append({"records": records,
+                      "target_cost": [costs.target_cost(b) for b in range(1, 14)],
+                      "replay_cost": [costs.replay_cost("model", n) for n in (0, 1, 5, 40)],
+                      "cost_ratio": costs.cost_ratio("model")})
+    return cases
+
+
+class FakeRunner:
+    """A stand-in ModelRunner without weights: logits [V] are a fixed function of the tokens
+    before each position (numpy-seeded from their hash), read from the cache's row tokens, so
+    a rollback that keeps a wrong row asks for a prefix Python never did. Every row served is
+    recorded (prefix -> logits) for the JVM's table model; passes advance the fake clock."""
+
+    def __init__(self, role: str, vocab: int, max_context: int, seed: int, clock: RecordingClock | None,
+                 cost: tuple[float, float], base: "FakeRunner | None" = None, agree: float = 1.0):
+        from runtime.kv_cache import KVCache
+
+        self.role, self.vocab, self.seed, self.clock, self.cost = role, vocab, seed, clock, cost
+        self.base, self.agree = base, agree  # a draft: the base's logits where it agrees, else its own
+        self.cache = KVCache(range(0), 1, max_context, 1)
+        self.table: dict[str, list[float]] = {}
+        self.overrides: dict[tuple[int, ...], np.ndarray] = {}
+
+    def logits(self, prefix: tuple[int, ...]) -> np.ndarray:
+        if prefix in self.overrides:
+            return self.overrides[prefix]
+        key = hash_tokens(prefix[-3:]) * 1000 + len(prefix)
+        if self.base is not None and np.random.default_rng([key, 77]).random() < self.agree:
+            return self.base.logits(prefix) + np.float32(0.25) * np.random.default_rng([key, self.seed]).standard_normal(self.vocab).astype(np.float32)
+        return (np.random.default_rng([key, self.seed]).standard_normal(self.vocab) * 2.5).astype(np.float32)
+
+    def forward(self, token_ids, n_logits=None, trunk_hidden=None) -> np.ndarray:
+        token_ids = [int(t) for t in np.asarray(token_ids).reshape(-1)]
+        start = self.cache.kv_len
+        self.cache.check_room(start, len(token_ids))
+        prefix = tuple(int(t) for t in self.cache.row_tokens[:start])
+        rows = []
+        for token in token_ids:
+            prefix = prefix + (token,)
+            row = self.logits(prefix)
+            self.table[",".join(map(str, prefix))] = row.tolist()
+            rows.append(row)
+        self.cache.extend(np.asarray(token_ids, dtype=np.int64))
+        if self.clock is not None:
+            self.clock.advance(self.cost[0] + self.cost[1] * len(token_ids))
+        n = len(token_ids) if n_logits is None else n_logits
+        return np.stack(rows[len(rows) - n :])
+
+    def prefill(self, token_ids, chunk: int = 256) -> None:
+        for begin in range(0, len(token_ids), chunk):
+            self.forward(token_ids[begin : begin + chunk], n_logits=1)
+
+
+def hash_tokens(tokens) -> int:
+    h = 17
+    for t in tokens:
+        h = (h * 31 + int(t)) % 1_000_003
+    return h
+
+
+def loop_traces() -> list[dict]:
+    """decode_steps on fake models, round by round: the empty-residual fallback that re-draws
+    the rejected token, and adaptive γ under a fake clock (draft model, auto, greedy and sampled)."""
+    from runtime.drafters.base import Drafter, Proposal
+    from runtime.drafters.draft_model import DraftModelDrafter
+    from runtime.drafters.mixed import MixedDrafter
+    from runtime.drafters.prompt_lookup import PromptLookupDrafter
+    from runtime.gamma import CostModel, GammaConfig, GammaController
+    from runtime.loop import decode_steps
+
+    class ScriptedDrafter(Drafter):
+        """Proposes fixed tokens with given q, recorded per call for the JVM to replay."""
+        name = "scripted"
+        costs_passes = False
+
+        def __init__(self, script):
+            self.script, self.calls = script, []
+
+        def propose(self, tokens, gamma, sampling, rng):
+            drafted, probs = self.script(tokens, gamma)
+            self.calls.append({"tokens": [int(t) for t in tokens], "gamma": gamma, "draft": drafted, "q": probs.tolist()})
+            return Proposal(np.array(drafted, dtype=np.int64), probs)
+
+    cases = []
+    vocab = 6
+    # 1. The fallback: p = [0, 0, ½, 0, ½, 0] where q exceeds it by one ulp at the drafted token 2
+    #    (p == q up to rounding), u rejects it, the residual is empty, and p re-draws token 2.
+    prompt = [1, 3, 0, 2]
+    target = FakeRunner("target", vocab, 64, 3, None, (0.0, 0.0))
+    tie = np.full(vocab, -1e30, dtype=np.float32)
+    tie[[2, 4]] = 0.0
+    target.overrides[tuple(prompt)] = tie
+    sampling = SamplingConfig(temperature=1.0, seed=5)
+
+    def script(tokens, gamma):
+        p = process_logits(target.logits(tuple(int(t) for t in tokens)), sampling)
+        if len(tokens) == len(prompt):
+            q = np.stack([p, np.full(vocab, 1.0 / vocab)])
+            q[0, 2] = np.nextafter(p[2], 1.0)
+            return [2, 5], q
+        first = int(np.argmax(p))
+        q = np.stack([0.5 * p + 0.5 / vocab, np.full(vocab, 1.0 / vocab)])
+        return [first, (first + int(tokens[-1])) % vocab], q
+
+    drafter = ScriptedDrafter(script)
+    rng = ScriptedRng([1.0 - 2.0**-53, 0.25], 5)
+    costs = CostModel()
+    controllers = {"scripted": GammaController(GammaConfig(fixed=2), costs)}
+    rounds = []
+    for step in decode_steps(target, drafter, prompt, sampling, rng, controllers, costs):
+        rounds.append({"tokens": list(step.tokens), "gamma": step.gamma, "drafted": step.n_drafted, "accepted": step.n_accepted,
+                       "drafter": step.drafter, "target_kv": target.cache.kv_len})
+        if len(rounds) == 8:
+            break
+    assert rounds[0]["accepted"] == 0 and rounds[0]["tokens"] == [2], rounds[0]  # the case exists only if this holds
+    cases.append({"name": "fallback re-draws the rejected token", "vocab": vocab, "max_context": 64, "prompt": prompt,
+                  "temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": 5, "drafter": "scripted", "gamma": 2,
+                  "target_table": target.table, "calls": drafter.calls, "uniforms": rng.drawn, "rounds": rounds})
+
+    # 2. Adaptive γ with a fake clock: target pass 10 ms + 1 ms/token, draft 2 ms + 0.3 ms/token.
+    prompt = [3, 7, 1, 9, 4, 7, 1, 9, 2, 5, 11, 3, 7, 1]
+    runs = (("model", 0.8, 0.0, None, 0.01, 2), ("model", 0.5, 0.9, 3, 0.5, 50), ("auto", 0.7, 0.8, 4, 0.01, 2),
+            ("model", 0.15, 0.0, None, 0.01, 2), ("auto", 0.95, 1.0, 8, 0.01, 2), ("model", 0.6, 0.0, None, 1.0, 100))
+    for kind, agree, temperature, seed, max_loss, max_failed_probes in runs:
+        vocab, max_context = 16, 160
+        clock = RecordingClock()
+        target = FakeRunner("target", vocab, max_context, 11, clock, (0.010, 0.001))
+        draft = FakeRunner("draft", vocab, max_context, 12, clock, (0.002, 0.0003), base=target, agree=agree)
+        model = DraftModelDrafter(draft)
+        drafter = model if kind == "model" else MixedDrafter(PromptLookupDrafter(), model)
+        sampling = SamplingConfig(temperature=temperature, seed=seed)
+        rng = RecordingRng(seed)
+        costs = CostModel()
+        config = GammaConfig(max_gamma=6, max_loss=max_loss, max_failed_probes=max_failed_probes)
+        controllers = {part.name: GammaController(config, costs) for part in drafter.parts()}
+        for c in controllers.values():
+            c.start(96)
+        rounds, total = [], 0
+        for step in decode_steps(target, drafter, prompt, sampling, rng, controllers, costs, clock=clock):
+            rounds.append({"tokens": list(step.tokens), "gamma": step.gamma, "drafted": step.n_drafted, "accepted": step.n_accepted,
+                           "drafter": step.drafter, "target_kv": target.cache.kv_len, "draft_kv": draft.cache.kv_len,
+                           "draft_s": step.draft_s, "target_s": step.target_s})
+            total += len(step.tokens)
+            if total >= 96 or len(prompt) + total + 8 >= max_context:
+                break
+        gammas = [r["gamma"] for r in rounds]
+        log(f"loop adaptive {kind} agree={agree} T={temperature}: {len(rounds)} rounds, γ {sorted(set(gammas))}, "
+            f"plain rounds {gammas.count(0)}")
+        cases.append({"name": f"adaptive {kind} agree={agree} T={temperature}", "vocab": vocab, "max_context": max_context,
+                      "prompt": prompt, "temperature": temperature, "top_k": 0, "top_p": 1.0, "seed": seed, "drafter": kind,
+                      "gamma": None, "max_gamma": 6, "max_loss": max_loss, "max_failed_probes": max_failed_probes, "horizon": 96, "target_table": target.table, "draft_table": draft.table,
+                      "clock": clock.readings, "uniforms": rng.drawn, "rounds": rounds,
+                      "costs": {"target": {str(k): v for k, v in costs.target.items()}, "draft_step": costs.draft_step,
+                                "replay_token": costs.replay_token}})
+    return cases
+
+
+def drafter_traces() -> list[dict]:
+    """DraftModelDrafter's cache bookkeeping, call by call: prefill at reset, replay after
+    sitting out rounds, and rollback when the pending token equals the rejected draft."""
+    from runtime.drafters.draft_model import DraftModelDrafter
+
+    vocab = 16
+    target = FakeRunner("target", vocab, 64, 11, None, (0.0, 0.0))
+    draft = FakeRunner("draft", vocab, 64, 12, None, (0.0, 0.0), base=target, agree=0.8)
+    drafter = DraftModelDrafter(draft)
+    prompt = [3, 7, 1, 9, 4]
+    sampling = SamplingConfig()
+    ops = []
+
+    def record(op, **kw):
+        ops.append({"op": op, **kw, "kv_len": draft.cache.kv_len})
+
+    def propose(tokens, gamma):
+        replay = drafter.replay_tokens(np.array(tokens))
+        proposal = drafter.propose(np.array(tokens), gamma, sampling, None)
+        record("propose", tokens=tokens, gamma=gamma, replay=replay, draft=proposal.tokens.tolist(), catch_up_tokens=proposal.catch_up_tokens)
+        return proposal.tokens.tolist()
+
+    drafter.reset(np.array(prompt[:-1]))
+    record("reset", tokens=prompt[:-1])
+    tokens = list(prompt)
+    drafted = propose(tokens, 3)
+    # The target rejects d1 and its fallback draws d1 again: the pending token equals the rejected draft.
+    tokens = tokens + drafted[:1]
+    drafter.accepted(np.array(tokens), 0)
+    record("accepted", tokens=tokens, n_accepted=0)
+    drafted = propose(tokens, 2)
+    tokens = tokens + drafted + [5]
+    drafter.accepted(np.array(tokens), 2)
+    record("accepted", tokens=tokens, n_accepted=2)
+    # Five plain rounds the draft sat out: it replays them before drafting.
+    tokens = tokens + [1, 2, 3, 4, 6]
+    propose(tokens, 2)
+    drafter.reset(np.array([3, 7, 1, 2, 8, 6]))  # a new prompt sharing three tokens: the rest is prefilled
+    record("reset", tokens=[3, 7, 1, 2, 8, 6])
+    return [{"vocab": vocab, "max_context": 64, "draft_table": draft.table, "ops": ops}]
+
+
 # -- tokenizers ----------------------------------------------------------------------------------
 
 
@@ -238,10 +540,38 @@ def qwen_tokenizer_json(out: Path) -> Path:
 # -- models --------------------------------------------------------------------------------------
 
 
-def generation_trace(engine, prompt_ids, drafter: str, gamma: int, sampling: SamplingConfig, max_new: int) -> dict:
-    """Python's engine loop with a fixed γ (adaptive γ depends on measured time, so traces fix it)."""
+# Adaptive γ on real graphs: a loose ledger, so random-weight drafts keep being probed (and replay).
+ADAPTIVE_CONFIG = dict(max_gamma=6, max_loss=0.3, max_failed_probes=6)
+# Fake seconds per stage pass of T tokens, by role, for adaptive-γ traces on real graphs.
+STAGE_COST = {"target": (0.010, 0.001), "draft": (0.002, 0.0003), "layer_skip": (0.004, 0.0005)}
+
+
+@contextmanager
+def fake_stage_time(clock: RecordingClock):
+    """Every ModelRunner stage pass advances the fake clock as STAGE_COST says."""
+    from runtime.model import ModelRunner
+
+    original = ModelRunner.run_stage
+
+    def timed(self, index, x, start, logit_positions=None):
+        fixed, per_token = STAGE_COST[self.role]
+        clock.advance(fixed + per_token * x.shape[1])
+        return original(self, index, x, start, logit_positions)
+
+    ModelRunner.run_stage = timed
+    try:
+        yield
+    finally:
+        ModelRunner.run_stage = original
+
+
+def generation_trace(engine, prompt_ids, drafter: str, gamma: int | None, sampling: SamplingConfig, max_new: int) -> dict:
+    """Python's engine loop. γ None: adaptive, from a fresh cost model and controllers, timed
+    by a fake clock that stage passes advance (its readings go into the trace)."""
+    from runtime.gamma import CostModel, GammaConfig, GammaController
     from runtime.loop import decode_steps
 
+    ADAPTIVE = GammaConfig(**ADAPTIVE_CONFIG)
     engine.use_drafter(drafter, gamma)
     engine.target.cache.reset()
     if engine.drafter is not None:
@@ -249,23 +579,55 @@ def generation_trace(engine, prompt_ids, drafter: str, gamma: int, sampling: Sam
     rng = RecordingRng(sampling.seed)
     eos = engine.tokenizer.eos_token_ids
     steps, generated = [], []
-    for step in decode_steps(engine.target, engine.drafter, prompt_ids, sampling, rng, engine._controllers(max_new), engine.costs):
-        steps.append({"tokens": list(step.tokens), "gamma": step.gamma, "drafted": step.n_drafted, "accepted": step.n_accepted,
-                      "drafter": step.drafter})
-        new = list(step.tokens)
-        hit = next((i for i, t in enumerate(new) if t in eos), None)
-        if hit is not None:
-            new = new[: hit + 1]
-        generated += new[: max_new - len(generated)]
-        if hit is not None or len(generated) >= max_new:
-            break
+    clock = RecordingClock()
+    if gamma is None:
+        costs = CostModel()
+        controllers = {part.name: GammaController(ADAPTIVE, costs) for part in engine.drafter.parts()}
+        for controller in controllers.values():
+            controller.start(max_new)
+    else:
+        costs, controllers = engine.costs, engine._controllers(max_new)
+    with fake_stage_time(clock):
+        for step in decode_steps(engine.target, engine.drafter, prompt_ids, sampling, rng, controllers, costs, clock=clock):
+            steps.append({"tokens": list(step.tokens), "gamma": step.gamma, "drafted": step.n_drafted, "accepted": step.n_accepted,
+                          "drafter": step.drafter})
+            new = list(step.tokens)
+            hit = next((i for i, t in enumerate(new) if t in eos), None)
+            if hit is not None:
+                new = new[: hit + 1]
+            generated += new[: max_new - len(generated)]
+            if hit is not None or len(generated) >= max_new:
+                break
     expected = generated  # what Engine.generate returns for these settings (no stop strings)
     return {"drafter": drafter, "gamma": gamma, "temperature": sampling.temperature, "top_k": sampling.top_k,
             "top_p": sampling.top_p, "seed": sampling.seed, "max_new_tokens": max_new, "token_ids": expected,
-            "steps": steps, "uniforms": rng.drawn}
+            "steps": steps, "uniforms": rng.drawn, "clock": clock.readings if gamma is None else None,
+            "max_gamma": ADAPTIVE.max_gamma, "max_loss": ADAPTIVE.max_loss, "max_failed_probes": ADAPTIVE.max_failed_probes}
 
 
-def model_trace(name: str, bundle: Path, prompt: str, runs: list[tuple[str, bool]], out: Path, max_new: int, full_logits: bool) -> None:
+def stop_trace(engine, prompt_ids, drafter: str, sampling: SamplingConfig, max_new: int) -> dict:
+    """Engine.generate with two stop strings inside one piece of the output (so one round
+    brings both), the later-listed one starting first: the earliest in the text must win."""
+    from runtime.engine import GenerateConfig
+
+    engine.use_drafter(drafter, 3)
+    text, stops = "", ()
+    for piece, _ in engine.stream(prompt_ids, GenerateConfig(max_new, sampling)):
+        first, second = piece[1:3], piece[:2]
+        # Some text first, so the cut lands inside a later round.
+        if not stops and len(text) >= 8 and len(piece) >= 3 and first != second and first not in text + piece[0] and second not in text:
+            stops = (first, second)
+        text += piece
+    if not stops:
+        raise SystemExit(f"write_traces: no piece of 3+ characters to take stop strings from ({drafter}: {text!r})")
+    result = engine.generate(prompt_ids, GenerateConfig(max_new, sampling, stops))
+    return {"drafter": drafter, "gamma": 3, "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
+            "seed": sampling.seed, "max_new_tokens": max_new, "stop": list(stops), "text": result.text,
+            "token_ids": result.token_ids, "stop_reason": result.stop_reason}
+
+
+def model_trace(name: str, bundle: Path, prompt: str, runs: list[tuple[str, bool]], out: Path, max_new: int, full_logits: bool,
+                adaptive: list[tuple[str, bool]] = (), stop_runs: list[tuple[str, bool]] = ()) -> None:
     from runtime.engine import Engine, EngineConfig
 
     began = time.perf_counter()
@@ -283,8 +645,11 @@ def model_trace(name: str, bundle: Path, prompt: str, runs: list[tuple[str, bool
     for drafter, stochastic in runs:
         gens.append(generation_trace(engine, prompt_ids, drafter, 3, sampled if stochastic else greedy, max_new))
     gens.append(generation_trace(engine, prompt_ids, "none", 0, SamplingConfig(temperature=1.0, seed=7), max_new))
+    for drafter, stochastic in adaptive:
+        gens.append(generation_trace(engine, prompt_ids, drafter, None, sampled if stochastic else greedy, max_new))
+    stops = [stop_trace(engine, prompt_ids, d, sampled if stochastic else greedy, max_new) for d, stochastic in stop_runs]
     dump(out / f"model_{name}.json", {"bundle": str(bundle), "prompt": prompt, "prompt_ids": prompt_ids, "logits": samples,
-                                      "generations": gens})
+                                      "generations": gens, "stops": stops})
     log(f"model {name}: {len(gens)} generations in {time.perf_counter() - began:.1f}s")
 
 
@@ -320,6 +685,10 @@ def main() -> int:
     dump(out / "sampling.json", sampling_traces())
     dump(out / "verify.json", verify_traces())
     dump(out / "gamma.json", gamma_traces())
+    dump(out / "commit.json", commit_traces())
+    dump(out / "cost_model.json", cost_model_traces())
+    dump(out / "loop.json", loop_traces())
+    dump(out / "drafter.json", drafter_traces())
     log(f"pure traces in {time.perf_counter() - began:.1f}s")
 
     import tiny
@@ -329,8 +698,10 @@ def main() -> int:
     tokenizer_trace("tiny", bundles["llama"] / "tokenizer.json", out)
     prompt = tiny.PROMPT + " the quick brown fox jumps over the"
     both = lambda drafters: [(d, s) for d in drafters for s in (False, True)]  # noqa: E731
-    model_trace("tiny_llama", bundles["llama"], prompt, both(["none", "model", "layer-skip", "lookup", "auto"]), out, 24, True)
-    model_trace("tiny_qwen2", bundles["qwen2"], prompt, both(["model", "layer-skip", "auto"]), out, 24, True)
+    model_trace("tiny_llama", bundles["llama"], prompt, both(["none", "model", "layer-skip", "lookup", "auto"]), out, 24, True,
+                adaptive=both(["model", "layer-skip", "auto"]), stop_runs=[("none", False), ("auto", False), ("model", True)])
+    model_trace("tiny_qwen2", bundles["qwen2"], prompt, both(["model", "layer-skip", "auto"]), out, 24, True,
+                adaptive=[("model", True), ("auto", False)], stop_runs=[("layer-skip", True)])
     index = {"tiny": True, "real": not args.no_real}
     if not args.no_real:
         from real import bundle
@@ -341,7 +712,7 @@ def main() -> int:
         code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
         # A 135M model on a 2-core CI box: few, short runs (greedy plain/layer-skip/auto, sampled layer-skip).
         runs = [("none", False), ("layer-skip", False), ("auto", False), ("layer-skip", True)]
-        model_trace("smollm2", smollm2, code, runs, out, 12, False)
+        model_trace("smollm2", smollm2, code, runs, out, 12, False, adaptive=[("auto", False)], stop_runs=[("layer-skip", False)])
     dump(out / "index.json", index)
     log(f"done in {time.perf_counter() - began:.1f}s")
     return 0

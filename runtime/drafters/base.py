@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -36,6 +37,8 @@ class Drafter(ABC):
     name: str
     # Drafting costs model passes (a draft model, layer skip) or almost nothing (lookup).
     costs_passes: bool = True
+    # Seconds, for what a drafter times itself (a draft model's replay); the loop sets its own.
+    clock = staticmethod(time.perf_counter)
 
     @abstractmethod
     def propose(self, tokens: np.ndarray, gamma: int, sampling: SamplingConfig, rng: np.random.Generator) -> Proposal | None:
@@ -46,6 +49,11 @@ class Drafter(ABC):
         """Tokens this drafter must feed itself before it can draft after `tokens` (a draft
         model that sat out plain or copy rounds); the round that drafts next pays for them."""
         return 0
+
+    def set_clock(self, clock) -> None:
+        """Time with `clock` (the loop's), so a fake clock reaches every measurement."""
+        for part in self.parts():
+            part.clock = clock
 
     def select(self, tokens: np.ndarray) -> "Drafter":
         """The drafter that proposes this round (a mixed drafter picks one of its parts)."""

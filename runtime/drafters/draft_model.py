@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from edge_spec.sampling import SamplingConfig
@@ -26,10 +24,10 @@ class DraftModelDrafter(Drafter):
         # two tokens the last round committed.
         missing = tokens[cache.kv_len :]
         replay = self.replay_tokens(tokens)
-        began = time.perf_counter()
+        began = self.clock()
         if len(missing) > 1:
             self.runner.prefill(missing[:-1])
-        catch_up = time.perf_counter() - began if replay else 0.0
+        catch_up = self.clock() - began if replay else 0.0
         logits = self.runner.forward(missing[-1:], n_logits=1)[-1]  # [V]
         drafted, draft_probs = [], []
         for i in range(gamma):

@@ -1,13 +1,29 @@
 package dev.edgespec.core
 
-/** Up to γ proposed tokens; draftProbs = q per token (null: deterministic, verified as one-hot). */
-class Proposal(val tokens: LongArray, val draftProbs: Array<DoubleArray>?, val trunkHidden: Hidden? = null)
+/**
+ * Up to γ proposed tokens; draftProbs = q per token (null: deterministic, verified as one-hot).
+ * catchUpSeconds/catchUpTokens: the replay of tokens a draft model had not seen (after plain or
+ * copy rounds), a one-off the cost model prices apart from a draft step (runtime/drafters/base.py).
+ */
+class Proposal(
+    val tokens: LongArray, val draftProbs: Array<DoubleArray>?, val trunkHidden: Hidden? = null,
+    val catchUpSeconds: Double = 0.0, val catchUpTokens: Int = 0,
+)
+
+/** Seconds from the JVM's monotonic clock: what the loop and drafters time with unless given another. */
+val monotonicSeconds: () -> Double = { System.nanoTime() / 1e9 }
 
 /** The drafter interface the loop speaks to (runtime/drafters/base.py). */
 abstract class Drafter {
     abstract val name: String
     open val costsPasses: Boolean = true
+    /** What a drafter times itself with (a draft model's replay); the loop sets its own. */
+    var clock: () -> Double = monotonicSeconds
     abstract fun propose(tokens: LongArray, gamma: Int, sampling: SamplingConfig, rng: UniformSource): Proposal?
+    /** Tokens this drafter must feed itself before it can draft after `tokens`; the round that drafts next pays for them. */
+    open fun replayTokens(tokens: LongArray): Int = 0
+    /** Time with `clock` (the loop's), so a fake clock reaches every measurement. */
+    fun useClock(clock: () -> Double) { parts().forEach { it.clock = clock } }
     open fun select(tokens: LongArray): Drafter = this
     open fun parts(): List<Drafter> = listOf(this)
     open fun accepted(tokens: LongArray, nAccepted: Int) {}
@@ -61,7 +77,10 @@ class DraftModelDrafter(val runner: TargetModel) : Drafter() {
         val g = minOf(gamma, cache.maxContext - tokens.size + 1)
         if (g <= 0) return null
         val missing = tokens.copyOfRange(cache.kvLen, tokens.size)
+        val replay = replayTokens(tokens)
+        val began = clock()
         if (missing.size > 1) runner.prefill(missing.copyOfRange(0, missing.size - 1))
+        val catchUp = if (replay > 0) clock() - began else 0.0
         var logits = runner.forward(missing.copyOfRange(missing.size - 1, missing.size), nLogits = 1).last()
         val drafted = LongArray(g)
         val probs = arrayOfNulls<DoubleArray>(g)
@@ -70,11 +89,23 @@ class DraftModelDrafter(val runner: TargetModel) : Drafter() {
             drafted[i] = token.toLong(); probs[i] = q
             if (i + 1 < g) logits = runner.forward(longArrayOf(token.toLong())).last()
         }
-        return Proposal(drafted, if (sampling.greedy) null else Array(g) { probs[it]!! })
+        return Proposal(drafted, if (sampling.greedy) null else Array(g) { probs[it]!! }, null, catchUp, replay)
     }
 
-    override fun accepted(tokens: LongArray, nAccepted: Int) { runner.cache.rollbackToPrefix(tokens) }
-    override fun reset(tokens: LongArray) { runner.cache.rollbackToPrefix(tokens) }
+    /** More than the one token a round leaves unfed is replay after plain or copy rounds, not what a draft step costs. */
+    override fun replayTokens(tokens: LongArray): Int {
+        val missing = tokens.size - runner.cache.kvLen
+        return if (missing > 2) missing - 1 else 0
+    }
+
+    /** Never keeps a row for the pending (last) token, even one equal to a rejected draft: the next round feeds it first. */
+    override fun accepted(tokens: LongArray, nAccepted: Int) { runner.cache.rollbackToPrefix(tokens.copyOfRange(0, tokens.size - 1)) }
+
+    /** Prefills the prompt now, so it is timed as prefill rather than as drafting. */
+    override fun reset(tokens: LongArray) {
+        runner.cache.rollbackToPrefix(tokens)
+        runner.prefill(tokens.copyOfRange(runner.cache.kvLen, tokens.size))
+    }
 }
 
 /** Self-speculation: the target's first stage (trunk) plus its head, writing into the target's cache. */

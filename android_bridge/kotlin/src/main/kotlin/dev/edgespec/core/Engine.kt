@@ -108,23 +108,12 @@ class Engine(val bundleDir: File, val config: EngineConfig = EngineConfig(), sta
         val ctrls = if (active != null) controllers(config.maxNewTokens) else emptyMap()
         for (step in Loop.decodeSteps(target, active, LongArray(promptIds.size) { promptIds[it].toLong() }, config.sampling, random, ctrls, costs)) {
             steps.add(step)
-            var new = step.tokens
-            val eosAt = new.indexOfFirst { it in eos }
-            if (eosAt >= 0) { new = new.subList(0, eosAt + 1); stopReason = "eos" }
-            if (generated.size + new.size >= config.maxNewTokens && stopReason == null) {
-                new = new.subList(0, config.maxNewTokens - generated.size); stopReason = "length"
-            }
+            // A round may commit tokens past where plain decoding would have stopped (Commit: budget, context, EOS, stop strings).
             val room = maxContext - promptIds.size - generated.size
-            if (new.size >= room && stopReason == null) { new = new.subList(0, room); stopReason = "context" }
-            generated.addAll(new)
-            var piece = decoder.push(new)
-            text += piece
-            val hit = config.stop.firstOrNull { it in text }
-            if (hit != null) {
-                val cut = text.indexOf(hit)
-                piece = piece.substring(0, maxOf(0, piece.length - (text.length - cut)))
-                text = text.substring(0, cut); stopReason = "stop"
-            }
+            val kept = Commit.commit(step.tokens, generated.size, config.maxNewTokens, room, eos, text, config.stop) { decoder.push(it) }
+            generated.addAll(kept.tokens)
+            val piece = kept.piece
+            text = kept.text; stopReason = kept.stopReason
             if (piece.isNotEmpty()) onPiece(piece)
             if (stopReason == null && cancelled()) stopReason = "cancelled"
             if (stopReason != null) break

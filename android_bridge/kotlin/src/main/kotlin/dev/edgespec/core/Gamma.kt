@@ -10,17 +10,28 @@ data class GammaConfig(
 class CostModel(private val smoothing: Double = 0.2) {
     val target = HashMap<Int, Double>()
     val draftStep = HashMap<String, Double>()
+    val replayToken = HashMap<String, Double>() // by drafter: seconds per token replayed
 
     private fun ema(old: Double?, new: Double) = if (old == null) new else old + smoothing * (new - old)
     fun recordTarget(block: Int, seconds: Double) { target[block] = ema(target[block], seconds) }
     fun recordDraft(drafter: String, steps: Int, seconds: Double) { if (steps > 0) draftStep[drafter] = ema(draftStep[drafter], seconds / steps) }
+    fun recordReplay(drafter: String, nTokens: Int, seconds: Double) { if (nTokens > 0) replayToken[drafter] = ema(replayToken[drafter], seconds / nTokens) }
 
-    /** Measured cost of a block, else linear interpolation (np.interp: clamped at the ends). */
+    /** Seconds to replay nTokens the drafter missed; until measured, a draft step each (errs on the side of not drafting). */
+    fun replayCost(drafter: String, nTokens: Int): Double =
+        if (nTokens == 0) 0.0 else nTokens * (replayToken[drafter] ?: draftStep[drafter] ?: 0.0)
+
+    /** Measured cost of a block, else linear interpolation; past the largest measured block the last segment's slope goes on (never down). */
     fun targetCost(block: Int): Double {
         target[block]?.let { return it }
         val known = target.keys.sorted()
         if (known.isEmpty()) return 1.0
         if (block <= known.first()) return target.getValue(known.first())
+        if (block > known.last() && known.size > 1) {
+            val below = known[known.size - 2]; val top = known.last()
+            val slope = (target.getValue(top) - target.getValue(below)) / (top - below)
+            return target.getValue(top) + maxOf(slope, 0.0) * (block - top)
+        }
         if (block >= known.last()) return target.getValue(known.last())
         val hi = known.indexOfFirst { it > block }
         val x0 = known[hi - 1].toDouble(); val x1 = known[hi].toDouble()
