@@ -44,6 +44,7 @@ def main() -> int:
     stability.add_argument("bundles", nargs="+")
     stability.add_argument("--prompts", default="humaneval:20", help="runtime bench's prompt spec (default humaneval:20)")
     stability.add_argument("--tokens", type=int, default=128, help="greedy tokens per run (default 128)")
+    stability.add_argument("--modes", default="default,block_stable", help="greedy identity runs: default, block_stable, or none")
     stability.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args()
 
@@ -59,7 +60,11 @@ def main() -> int:
     elif args.command == "greedy_stability":
         from benchmarks.greedy_stability import run as run_stability
 
-        rows = run_stability(args.bundles, args.prompts, args.tokens)
+        modes = tuple(m for m in args.modes.split(",") if m and m != "none")
+        bad = set(modes) - {"default", "block_stable"}
+        if bad:
+            parser.error(f"unknown --modes {sorted(bad)} (default, block_stable, none)")
+        rows = run_stability(args.bundles, args.prompts, args.tokens, modes)
     elif args.command == "ab":
         from benchmarks.ab_passes import compare as compare_passes
 

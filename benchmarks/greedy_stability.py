@@ -79,7 +79,7 @@ def summarize(per_prompt: list[dict[int, dict]]) -> dict:
     return table
 
 
-def run(bundles: list[str], prompts_spec: str, n_tokens: int, delta_prompts: int = 4) -> dict:
+def run(bundles: list[str], prompts_spec: str, n_tokens: int, modes: tuple[str, ...] = ("default", "block_stable"), delta_prompts: int = 4) -> dict:
     from runtime.bench import load_prompts
     from runtime.engine import Engine, EngineConfig
 
@@ -96,9 +96,9 @@ def run(bundles: list[str], prompts_spec: str, n_tokens: int, delta_prompts: int
             "blocks": summarize(per_prompt),
         }
         del engine
-        for stable in (False, True):
-            engine = Engine(bundle, EngineConfig(drafter="none", block_stable=stable))
-            row["block_stable" if stable else "default"] = identical_runs(engine, prompts, n_tokens, drafters)
+        for mode in modes:
+            engine = Engine(bundle, EngineConfig(drafter="none", block_stable=mode == "block_stable"))
+            row[mode] = identical_runs(engine, prompts, n_tokens, drafters)
             del engine
         results[bundle] = row
         print(f"{bundle}: {row}", flush=True)
