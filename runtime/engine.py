@@ -41,6 +41,15 @@ class PromptTooLongError(ValueError):
     pass
 
 
+def check_token_ids(ids, vocab: int) -> None:
+    """Every id an int in [0, vocab): ids past the tokenizer would index past embeddings."""
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+            raise ValueError(f"token ids must be integers, got {i!r}")
+        if not 0 <= i < vocab:
+            raise ValueError(f"token id {i} is outside the vocabulary [0, {vocab})")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     provider: str = "auto"
@@ -107,6 +116,7 @@ class Engine:
         self.costs = CostModel()
         self._gamma_controllers: dict[tuple, GammaController] = {}
         self._lock = threading.Lock()
+        self._owner: int | None = None  # thread id of the generation holding _lock
         if config.calibrate and self.drafter is not None:
             self.calibrate()
 
@@ -259,10 +269,14 @@ class Engine:
 
     # -- generation ------------------------------------------------------------------------
 
-    def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+    def encode(self, prompt: str | None = None, messages: list[dict] | None = None, parse_special: bool = True) -> list[int]:
+        """Token ids of a raw prompt or of chat messages. Special-token strings in message content
+        are always text; in a raw prompt they are control tokens unless parse_special=False."""
         if (prompt is None) == (messages is None):
             raise ValueError("pass exactly one of prompt or messages")
-        return self.tokenizer.encode_chat(messages) if messages is not None else self.tokenizer.encode(prompt)
+        if messages is not None:
+            return self.tokenizer.encode_chat(messages)
+        return self.tokenizer.encode(prompt, parse_special=parse_special)
 
     def _controllers(self, horizon_tokens: int) -> dict[str, GammaController]:
         if self.drafter is None:
@@ -285,6 +299,7 @@ class Engine:
         max_context = self.target.cache.max_context
         if not prompt_ids:
             raise ValueError("the prompt is empty")
+        check_token_ids(prompt_ids, self.bundle.manifest.tokenizer.n_real_tokens)
         if len(prompt_ids) >= max_context:
             raise PromptTooLongError(
                 f"prompt has {len(prompt_ids)} tokens but the bundle's max context is {max_context}; "
@@ -300,8 +315,15 @@ class Engine:
         cancel: an Event another thread may set; generation then stops after the current
         target pass and the result's stop_reason is "cancelled"."""
         self._check_prompt(prompt_ids)
+        if self._owner == threading.get_ident():
+            raise RuntimeError("this Engine is already generating on this thread (generate or stream inside a stream "
+                               "of the same Engine would wait for itself forever); finish or close that stream first")
         with self._lock:
-            yield from self._stream_locked(list(prompt_ids), config, self.drafter if speculative else None, cancel)
+            self._owner = threading.get_ident()
+            try:
+                yield from self._stream_locked(list(prompt_ids), config, self.drafter if speculative else None, cancel)
+            finally:
+                self._owner = None
 
     def _stream_locked(self, prompt_ids: list[int], config: GenerateConfig, drafter: Drafter | None, cancel: threading.Event | None = None):
         rng = np.random.default_rng(config.sampling.seed)
