@@ -221,6 +221,7 @@ def manifest_from_dict(data: dict[str, Any]) -> Manifest:
 
 def validate(manifest: Manifest, bundle_dir: Path, check_hashes: bool = True) -> None:
     """Every check a bundle gets; raises BundleError naming the first problem found."""
+    check_fact_types(manifest)
     if "target" not in manifest.models:
         raise BundleError("manifest has no 'target' model")
     if manifest.default_draft is not None and (manifest.default_draft not in manifest.models or manifest.default_draft == "target"):
@@ -372,3 +373,75 @@ def load_manifest(bundle_dir: str | Path, check_hashes: bool = True) -> Manifest
     manifest = manifest_from_dict(data)
     validate(manifest, bundle_dir, check_hashes)
     return manifest
+
+
+def check_fact_types(manifest: Manifest) -> None:
+    """Numbers are integers (a hand-edited "400" or 64.5 would otherwise fail deep inside a
+    comparison or ONNX Runtime), sizes positive, the KV dtype a string."""
+
+    def whole(value, where: str, low: int = 1) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise BundleError(f"manifest {where} must be an integer >= {low}, got {json.dumps(value)[:40]}")
+
+    for role, model in manifest.models.items():
+        arch = model.arch
+        for fact in ("n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_size", "vocab_size", "max_context"):
+            whole(getattr(arch, fact), f"models.{role}.arch.{fact}")
+        if not isinstance(arch.kv_dtype, str):
+            raise BundleError(f"manifest models.{role}.arch.kv_dtype must be a string, got {json.dumps(arch.kv_dtype)[:40]}")
+    tok = manifest.tokenizer
+    whole(tok.n_real_tokens, "tokenizer.n_real_tokens")
+    if not isinstance(tok.eos_token_ids, (list, tuple)):
+        raise BundleError("manifest tokenizer.eos_token_ids must be a list of token ids")
+    for i in tok.eos_token_ids:
+        whole(i, "tokenizer.eos_token_ids[]", low=0)
+    if tok.bos_token_id is not None:
+        whole(tok.bos_token_id, "tokenizer.bos_token_id", low=0)
+    if tok.chat_template is not None and not isinstance(tok.chat_template, str):
+        raise BundleError("manifest tokenizer.chat_template must be a string or null")
+
+
+_ONNX_FLOATS = {1: "float32", 10: "float16"}  # TensorProto element types of KV buffers
+
+
+def check_graph_facts(manifest: Manifest, bundle_dir: str | Path) -> None:
+    """The manifest's facts against the shapes and types each ONNX graph declares (read without
+    its weights): KV heads, rows (max context), head size and dtype, hidden size, LM-head rows.
+    Only static dimensions are compared; a graph that leaves one symbolic is not contradicted."""
+    import onnx
+
+    owner_of = {}
+    for role, model in manifest.models.items():
+        for key in model.stages:
+            owner_of.setdefault(key, manifest.models[model.shares_kv_with or role].arch)
+    for key, stage in manifest.stages.items():
+        if not stage.file or key not in owner_of:
+            continue
+        arch = owner_of[key]
+        path = Path(bundle_dir) / stage.file
+        try:
+            graph = onnx.load(str(path), load_external_data=False).graph
+        except Exception as exc:  # a damaged protobuf: say which file
+            raise BundleError(f"stage {key!r}: cannot read {path}: {exc}") from None
+
+        def dims(value):
+            t = value.type.tensor_type
+            return t.elem_type, [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
+
+        def differs(where: str, fact: str, manifest_value, graph_value) -> None:
+            if graph_value is not None and graph_value != manifest_value:
+                raise BundleError(f"manifest says {fact} {manifest_value} but stage {key!r} ({stage.file}) declares "
+                                  f"{where} with {graph_value}; the manifest was edited or belongs to another export")
+
+        for value in list(graph.input) + list(graph.output):
+            elem, shape = dims(value)
+            if value.name.startswith(("past_key", "past_value", "present_key", "present_value")) and len(shape) == 4:
+                differs(value.name, "n_kv_heads", arch.n_kv_heads, shape[1])
+                if value.name.startswith("past_") and stage.attention == "fused":
+                    differs(value.name, "max_context", arch.max_context, shape[2])
+                differs(value.name, "head_dim", arch.head_dim, shape[3])
+                differs(value.name, "kv_dtype", arch.kv_dtype, _ONNX_FLOATS.get(elem, f"element type {elem}"))
+            elif value.name == "logits" and shape:
+                differs("logits", "vocab_size", arch.vocab_size, shape[-1])
+            elif value.name in ("hidden_in", "hidden_out") and shape:
+                differs(value.name, "hidden_size", arch.hidden_size, shape[-1])

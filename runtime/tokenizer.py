@@ -49,7 +49,11 @@ class BundleTokenizer:
             env.filters["tojson"] = lambda value, indent=None, separators=None, sort_keys=False: json.dumps(
                 value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
             )
-            self._template = env.from_string(info.chat_template)
+            try:
+                self._template = env.from_string(info.chat_template)
+            except jinja2.TemplateError as exc:
+                raise ChatTemplateError(f"the bundle's chat template does not compile: {exc}; fix tokenizer.chat_template "
+                                        "in manifest.json or re-export the bundle") from None
 
     @property
     def has_chat_template(self) -> bool:
