@@ -1,4 +1,4 @@
-"""python -m runtime generate|audit|bench|serve|chat|plan|check BUNDLE ...: the command line over runtime.Engine."""
+"""python -m runtime generate|audit|bench|serve|chat|plan|check|handoff BUNDLE ...: the command line over runtime.Engine."""
 
 from __future__ import annotations
 
@@ -306,6 +306,28 @@ def cmd_check(args) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_handoff(args) -> int:
+    from runtime.bundle import open_bundle
+    from runtime.handoff import measured_alpha, plan
+
+    bundle = open_bundle(args.bundle, check_hashes=False)
+    alpha = args.alpha
+    if alpha is None and args.bench_results:
+        alphas = measured_alpha(args.bench_results)
+        mode = "model" if (args.method in ("auto", "draft") and "draft" in bundle.manifest.models) else "lookup"
+        if mode not in alphas:
+            raise ValueError(f"{args.bench_results} has no α for mode {mode!r} (it has: {', '.join(alphas) or 'none'})")
+        alpha = alphas[mode]
+    handoff = plan(bundle.manifest, args.engine, args.method, alpha, args.port)
+    if args.json:
+        print(json.dumps(handoff.to_dict()))
+    else:
+        print(handoff.command())
+        for note in handoff.notes:
+            print(f"# {note}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="python -m runtime", description="Run edge-spec bundles.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -396,6 +418,17 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--provider", required=True, choices=("cpu", "cuda", "dml", "coreml"))
     check.add_argument("--json", action="store_true", help="one JSON object: nodes, ok, missing (per op: stage, node, reason)")
     check.set_defaults(func=cmd_check)
+
+    handoff = sub.add_parser("handoff", help="print the vLLM or SGLang serve command for the same target and draft")
+    handoff.add_argument("bundle")
+    handoff.add_argument("--engine", required=True, choices=("vllm", "sglang"))
+    handoff.add_argument("--method", default="auto", choices=("auto", "draft", "lookup"),
+                         help="draft model or n-gram lookup (auto: the draft model when the bundle has one)")
+    handoff.add_argument("--alpha", type=_number(0.0, 0.999), help="per-token acceptance α measured on this device")
+    handoff.add_argument("--bench-results", metavar="FILE", help="results.json of `runtime bench`: α is its median")
+    handoff.add_argument("--port", type=_integer(1, 65535), default=8000)
+    handoff.add_argument("--json", action="store_true")
+    handoff.set_defaults(func=cmd_handoff)
 
     args = parser.parse_args(argv)
     from edge_spec.manifest import BundleError
