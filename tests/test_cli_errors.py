@@ -228,3 +228,25 @@ def test_export_out_under_a_file(tmp_path, tiny_models):
     proc = _run("export", tiny_models.llama, "--out", tmp_path / "f" / "b", "--quant", "fp32", "--draft", "none", timeout=60)
     assert "exists and is not a folder" in _error_line(proc)
     assert (tmp_path / "f").read_text() == "keep"
+
+
+@pytest.mark.real_weights
+def test_real_weights_manifest_max_context_checked_against_the_graphs(tmp_path):
+    from edge_spec.manifest import BundleError
+    from runtime.bundle import open_bundle
+    from tests import real
+
+    real.need(real.QWEN_TARGET, real.QWEN_DRAFT)
+    source = real.bundle("qwen-pair-int8")
+    open_bundle(source, check_hashes=False)  # the bundle as exported passes
+    copy = tmp_path / "edited"
+    copy.mkdir()
+    for f in source.iterdir():
+        if f.name != "manifest.json":
+            (copy / f.name).symlink_to(f)
+    manifest = json.loads((source / "manifest.json").read_text())
+    for model in manifest["models"].values():
+        model["arch"]["max_context"] *= 2
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="manifest says max_context"):
+        open_bundle(copy, check_hashes=False)

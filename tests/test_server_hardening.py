@@ -470,3 +470,19 @@ def test_real_weights_injected_system_turn_stays_text():
             assert status == 400 and body["error"]["code"] == "invalid_text"
     finally:
         m.close()
+
+
+def test_host_policy_by_bind_address_and_config_checks():
+    loopback = ServerConfig()
+    assert loopback.host_allowed("127.0.0.1:8000") and loopback.host_allowed("localhost") and loopback.host_allowed("[::1]:80")
+    assert not loopback.host_allowed("192.168.1.5:8000") and not loopback.host_allowed(None)
+    lan = ServerConfig(host="192.168.1.5")
+    assert lan.host_allowed("192.168.1.5:8000") and not lan.host_allowed("10.0.0.1") and not lan.host_allowed("box.lan")
+    wildcard = ServerConfig(host="0.0.0.0", allowed_hosts=("*.example.com",))
+    assert wildcard.host_allowed("10.0.0.1:8000") and wildcard.host_allowed("api.example.com")
+    assert not wildcard.host_allowed("example.com.attacker.net") and not wildcard.host_allowed("evil.test")
+    assert ServerConfig(allowed_hosts=("*",)).host_allowed("anything.test")
+    for bad in ({"header_timeout": 0}, {"max_connections": 0}, {"allowed_origins": ("not an origin",)},
+                {"allowed_origins": ("http://x.test/path",)}, {"idle_timeout": float("inf")}):
+        with pytest.raises(ValueError):
+            ServerConfig(**bad)
