@@ -401,47 +401,30 @@ def check_fact_types(manifest: Manifest) -> None:
         raise BundleError("manifest tokenizer.chat_template must be a string or null")
 
 
-_ONNX_FLOATS = {1: "float32", 10: "float16"}  # TensorProto element types of KV buffers
+_KV_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16"}  # ONNX Runtime's names of KV element types
 
 
-def check_graph_facts(manifest: Manifest, bundle_dir: str | Path) -> None:
-    """The manifest's facts against the shapes and types each ONNX graph declares (read without
-    its weights): KV heads, rows (max context), head size and dtype, hidden size, LM-head rows.
-    Only static dimensions are compared; a graph that leaves one symbolic is not contradicted."""
-    import onnx
+def check_declared_io(arch: ArchInfo, key: str, stage: StageInfo, declared) -> None:
+    """The manifest's facts against the inputs and outputs a stage's graph declares, as
+    (name, type, shape) with ONNX Runtime's type names ("tensor(float)") and None or a string
+    for a symbolic dimension: KV heads, rows (max context, fused attention), head size and
+    dtype, hidden size, LM-head rows. Only static dimensions are compared."""
 
-    owner_of = {}
-    for role, model in manifest.models.items():
-        for key in model.stages:
-            owner_of.setdefault(key, manifest.models[model.shares_kv_with or role].arch)
-    for key, stage in manifest.stages.items():
-        if not stage.file or key not in owner_of:
-            continue
-        arch = owner_of[key]
-        path = Path(bundle_dir) / stage.file
-        try:
-            graph = onnx.load(str(path), load_external_data=False).graph
-        except Exception as exc:  # a damaged protobuf: say which file
-            raise BundleError(f"stage {key!r}: cannot read {path}: {exc}") from None
+    def differs(where: str, fact: str, manifest_value, graph_value) -> None:
+        static = isinstance(graph_value, int) and not isinstance(graph_value, bool)
+        if (static or (fact == "kv_dtype" and isinstance(graph_value, str))) and graph_value != manifest_value:
+            raise BundleError(f"manifest says {fact} {manifest_value} but stage {key!r} ({stage.file}) declares "
+                              f"{where} with {graph_value}; the manifest was edited or belongs to another export")
 
-        def dims(value):
-            t = value.type.tensor_type
-            return t.elem_type, [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
-
-        def differs(where: str, fact: str, manifest_value, graph_value) -> None:
-            if graph_value is not None and graph_value != manifest_value:
-                raise BundleError(f"manifest says {fact} {manifest_value} but stage {key!r} ({stage.file}) declares "
-                                  f"{where} with {graph_value}; the manifest was edited or belongs to another export")
-
-        for value in list(graph.input) + list(graph.output):
-            elem, shape = dims(value)
-            if value.name.startswith(("past_key", "past_value", "present_key", "present_value")) and len(shape) == 4:
-                differs(value.name, "n_kv_heads", arch.n_kv_heads, shape[1])
-                if value.name.startswith("past_") and stage.attention == "fused":
-                    differs(value.name, "max_context", arch.max_context, shape[2])
-                differs(value.name, "head_dim", arch.head_dim, shape[3])
-                differs(value.name, "kv_dtype", arch.kv_dtype, _ONNX_FLOATS.get(elem, f"element type {elem}"))
-            elif value.name == "logits" and shape:
-                differs("logits", "vocab_size", arch.vocab_size, shape[-1])
-            elif value.name in ("hidden_in", "hidden_out") and shape:
-                differs(value.name, "hidden_size", arch.hidden_size, shape[-1])
+    for name, type_name, shape in declared:
+        shape = list(shape or [])
+        if name.startswith(("past_key", "past_value", "present_key", "present_value")) and len(shape) == 4:
+            differs(name, "n_kv_heads", arch.n_kv_heads, shape[1])
+            if name.startswith("past_") and stage.attention == "fused":
+                differs(name, "max_context", arch.max_context, shape[2])
+            differs(name, "head_dim", arch.head_dim, shape[3])
+            differs(name, "kv_dtype", arch.kv_dtype, _KV_TYPES.get(type_name, type_name))
+        elif name == "logits" and shape:
+            differs("logits", "vocab_size", arch.vocab_size, shape[-1])
+        elif name in ("hidden_in", "hidden_out") and shape:
+            differs(name, "hidden_size", arch.hidden_size, shape[-1])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from edge_spec.manifest import BundleError, Manifest, check_graph_facts, load_manifest
+from edge_spec.manifest import BundleError, Manifest, load_manifest
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,4 @@ class Bundle:
 
 def open_bundle(path: str | Path, check_hashes: bool = True) -> Bundle:
     path = Path(path)
-    manifest = load_manifest(path, check_hashes=check_hashes)
-    check_graph_facts(manifest, path)
-    return Bundle(path, manifest)
+    return Bundle(path, load_manifest(path, check_hashes=check_hashes))

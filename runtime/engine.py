@@ -17,7 +17,7 @@ from typing import Iterator
 import numpy as np
 
 from edge_spec.budget import plan_bundle
-from edge_spec.manifest import BundleError
+from edge_spec.manifest import BundleError, check_declared_io
 from edge_spec.placement import check_bundle
 from edge_spec.profiles import load_verdict
 from edge_spec.sampling import SamplingConfig
@@ -192,6 +192,9 @@ class Engine:
             if key not in self._sessions:
                 choice = self.provider_choices[group]
                 session, reason = open_session(self.bundle.file(stage.file), choice.provider, self._session_config(choice))
+                if hasattr(session, "get_inputs"):  # the manifest's facts against what the graph declares
+                    owner_arch = manifest.models[info.shares_kv_with or role].arch
+                    check_declared_io(owner_arch, key, stage, [(v.name, v.type, v.shape) for v in (*session.get_inputs(), *session.get_outputs())])
                 if reason:  # later stages of the group go straight to the CPU
                     self.provider_choices[group] = dataclasses.replace(choice, provider="cpu", fallback_from=choice.provider, reason=reason)
                 self._sessions[key] = session
