@@ -267,28 +267,53 @@ def test_each_drafter_choice_learns_its_own_alpha(llama_bundle):
 
 # -- hardening: re-entrancy, abandoned streams, token ids, stats of a cancelled queued job -------
 
+def _bounded(scenario, seconds: float = 20.0):
+    """Runs scenario on a worker thread: a hang (what these tests guard against) fails the test
+    after `seconds` instead of blocking the suite."""
+    outcome = []
+
+    def run():
+        try:
+            scenario()
+            outcome.append(None)
+        except BaseException as exc:  # handed to the test thread
+            outcome.append(exc)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(timeout=seconds)
+    assert outcome, f"hung for {seconds} s"
+    if outcome[0] is not None:
+        raise outcome[0]
+
+
 def test_reentrant_generate_inside_a_stream_raises_instead_of_hanging(model):
-    stream = model.stream("the cat sat on", max_tokens=8)
-    next(stream)  # this thread now holds the engine
-    began = time.monotonic()
-    with pytest.raises(RuntimeError, match="iterating a stream of this Model"):
-        model.generate("quick brown fox", max_tokens=2)
-    engine_stream = model.engine.stream(model.encode(prompt="quick"), GenerateConfig(2))
-    with pytest.raises(RuntimeError, match="already generating on this thread"):
-        next(engine_stream)
-    assert time.monotonic() - began < 5
-    assert list(stream)[-1].result.stop_reason in ("length", "eos")
+    def scenario():
+        stream = model.stream("the cat sat on", max_tokens=8)
+        next(stream)  # this thread now holds the engine
+        with pytest.raises(RuntimeError, match="iterating a stream of this Model"):
+            model.generate("quick brown fox", max_tokens=2)
+        engine_stream = model.engine.stream(model.encode(prompt="quick"), GenerateConfig(2))
+        with pytest.raises(RuntimeError, match="already generating on this thread"):
+            next(engine_stream)
+        assert list(stream)[-1].result.stop_reason in ("length", "eos")
+
+    _bounded(scenario)
     assert model.generate("quick brown fox", max_tokens=2).stop_reason in ("length", "eos")  # nothing is left stuck
 
 
 def test_engine_reentrant_generate_inside_its_own_stream_raises(model):
     engine = model.engine
     ids = model.encode(prompt="the cat sat on")
-    stream = engine.stream(ids, GenerateConfig(8))
-    next(stream)
-    with pytest.raises(RuntimeError, match="already generating on this thread"):
-        engine.generate(ids, GenerateConfig(2))
-    stream.close()
+
+    def scenario():
+        stream = engine.stream(ids, GenerateConfig(8))
+        next(stream)
+        with pytest.raises(RuntimeError, match="already generating on this thread"):
+            engine.generate(ids, GenerateConfig(2))
+        stream.close()
+
+    _bounded(scenario)
     assert engine.generate(ids, GenerateConfig(2)).stop_reason in ("length", "eos")
 
 
