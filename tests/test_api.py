@@ -229,9 +229,11 @@ def test_queue_timeout(llama_bundle):
     next(held)
     try:
         began = time.monotonic()
-        with pytest.raises(QueueTimeoutError):
-            m.generate("the dog", max_tokens=4)
-        assert 0.25 < time.monotonic() - began < 3
+        failures = []  # from another thread: this one holds the engine (a call here would be re-entrant)
+        waiter = threading.Thread(target=lambda: failures.append(pytest.raises(QueueTimeoutError, m.generate, "the dog", max_tokens=4)))
+        waiter.start()
+        waiter.join(timeout=10)
+        assert failures and 0.25 < time.monotonic() - began < 3
         assert m.counters()["queue_timeouts"] == 1 and m.queue_depth == 0
 
         async def wait_async():
@@ -343,6 +345,8 @@ def test_token_ids_are_checked_against_the_vocabulary(model):
             model.engine.generate(bad, GenerateConfig(2))
         with pytest.raises(ValueError, match="outside the vocabulary"):
             model.generate(prompt_ids=bad, max_tokens=2)
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            model.submit(prompt_ids=bad, max_tokens=2)  # at admission, before it takes a queue slot
     with pytest.raises(ValueError, match="must be integers"):
         model.engine.generate([1, 2.5], GenerateConfig(2))
     assert model.generate(prompt_ids=[1, vocab - 1], max_tokens=2).stop_reason in ("length", "eos")

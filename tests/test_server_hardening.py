@@ -486,3 +486,19 @@ def test_host_policy_by_bind_address_and_config_checks():
                 {"allowed_origins": ("http://x.test/path",)}, {"idle_timeout": float("inf")}):
         with pytest.raises(ValueError):
             ServerConfig(**bad)
+
+
+def test_load_run_script_reports_a_small_run(llama_bundle, tmp_path):
+    """The load-run benchmark end to end at a tiny scale (the full run is for a quiet machine)."""
+    out = tmp_path / "load.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "load_run", str(llama_bundle), "--waves", "2", "--clients", "4",
+                           "--slow", "2", "--oversized", "1", "--max-tokens", "4", "--header-timeout", "1", "--body-timeout", "1",
+                           "--slow-limit", "8", "--threads", "1", "--draft", "none", "--out", str(out)],
+                          cwd=ROOT, env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    s = report["summary"]
+    assert s["server_errors_5xx"] == 0 and s["all_identical_to_solo"] and s["slow_clients_all_closed"]
+    assert [w["oversized_status"] for w in report["waves"]] == [[400], [400]]
+    assert all(w["health"]["polls"] > 0 and w["server_rss_mb"] > 0 for w in report["waves"])
