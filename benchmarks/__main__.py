@@ -2,8 +2,9 @@
 python -m benchmarks ab OLD_BUNDLE NEW_BUNDLE [--blocks 1,5] [--kv-len 512] [--repeats 40] [--out FILE.json]
 python -m benchmarks spinning BUNDLE [--repeats 120] [--kv-len 512] [--out FILE.json]
 python -m benchmarks activations MODEL [--out FILE.json]
-python -m benchmarks greedy_stability BUNDLE... [--prompts SPEC] [--tokens N] [--out FILE.json]
-python -m benchmarks gpu_check --out DIR [--bundle DIR] [--reference DIR] ... (benchmarks/gpu_check.py)"""
+python -m benchmarks greedy_stability BUNDLE... [--prompts SPEC] [--tokens N] [--modes M] [--out FILE.json]
+python -m benchmarks gpu_check --out DIR [--bundle DIR] [--reference DIR] ... (benchmarks/gpu_check.py)
+python -m benchmarks load_run BUNDLE [--waves 3] [--clients 32] [--slow 10] [--oversized 4] [--out FILE.json]"""
 
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ def main() -> int:
         from benchmarks.gpu_check import main as gpu_check
 
         return gpu_check(sys.argv[2:])
+    if sys.argv[1:2] == ["load_run"]:
+        from benchmarks.load_run import main as load_run
+
+        return load_run(sys.argv[2:])
     parser = argparse.ArgumentParser(prog="python -m benchmarks")
     sub = parser.add_subparsers(dest="command", required=True)
     precision = sub.add_parser("precision", help="bundle logits against transformers fp32")

@@ -221,6 +221,7 @@ def manifest_from_dict(data: dict[str, Any]) -> Manifest:
 
 def validate(manifest: Manifest, bundle_dir: Path, check_hashes: bool = True) -> None:
     """Every check a bundle gets; raises BundleError naming the first problem found."""
+    check_fact_types(manifest)
     if "target" not in manifest.models:
         raise BundleError("manifest has no 'target' model")
     if manifest.default_draft is not None and (manifest.default_draft not in manifest.models or manifest.default_draft == "target"):
@@ -372,3 +373,58 @@ def load_manifest(bundle_dir: str | Path, check_hashes: bool = True) -> Manifest
     manifest = manifest_from_dict(data)
     validate(manifest, bundle_dir, check_hashes)
     return manifest
+
+
+def check_fact_types(manifest: Manifest) -> None:
+    """Numbers are integers (a hand-edited "400" or 64.5 would otherwise fail deep inside a
+    comparison or ONNX Runtime), sizes positive, the KV dtype a string."""
+
+    def whole(value, where: str, low: int = 1) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise BundleError(f"manifest {where} must be an integer >= {low}, got {json.dumps(value)[:40]}")
+
+    for role, model in manifest.models.items():
+        arch = model.arch
+        for fact in ("n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_size", "vocab_size", "max_context"):
+            whole(getattr(arch, fact), f"models.{role}.arch.{fact}")
+        if not isinstance(arch.kv_dtype, str):
+            raise BundleError(f"manifest models.{role}.arch.kv_dtype must be a string, got {json.dumps(arch.kv_dtype)[:40]}")
+    tok = manifest.tokenizer
+    whole(tok.n_real_tokens, "tokenizer.n_real_tokens")
+    if not isinstance(tok.eos_token_ids, (list, tuple)):
+        raise BundleError("manifest tokenizer.eos_token_ids must be a list of token ids")
+    for i in tok.eos_token_ids:
+        whole(i, "tokenizer.eos_token_ids[]", low=0)
+    if tok.bos_token_id is not None:
+        whole(tok.bos_token_id, "tokenizer.bos_token_id", low=0)
+    if tok.chat_template is not None and not isinstance(tok.chat_template, str):
+        raise BundleError("manifest tokenizer.chat_template must be a string or null")
+
+
+_KV_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16"}  # ONNX Runtime's names of KV element types
+
+
+def check_declared_io(arch: ArchInfo, key: str, stage: StageInfo, declared) -> None:
+    """The manifest's facts against the inputs and outputs a stage's graph declares, as
+    (name, type, shape) with ONNX Runtime's type names ("tensor(float)") and None or a string
+    for a symbolic dimension: KV heads, rows (max context, fused attention), head size and
+    dtype, hidden size, LM-head rows. Only static dimensions are compared."""
+
+    def differs(where: str, fact: str, manifest_value, graph_value) -> None:
+        static = isinstance(graph_value, int) and not isinstance(graph_value, bool)
+        if (static or (fact == "kv_dtype" and isinstance(graph_value, str))) and graph_value != manifest_value:
+            raise BundleError(f"manifest says {fact} {manifest_value} but stage {key!r} ({stage.file}) declares "
+                              f"{where} with {graph_value}; the manifest was edited or belongs to another export")
+
+    for name, type_name, shape in declared:
+        shape = list(shape or [])
+        if name.startswith(("past_key", "past_value", "present_key", "present_value")) and len(shape) == 4:
+            differs(name, "n_kv_heads", arch.n_kv_heads, shape[1])
+            if name.startswith("past_") and stage.attention == "fused":
+                differs(name, "max_context", arch.max_context, shape[2])
+            differs(name, "head_dim", arch.head_dim, shape[3])
+            differs(name, "kv_dtype", arch.kv_dtype, _KV_TYPES.get(type_name, type_name))
+        elif name == "logits" and shape:
+            differs("logits", "vocab_size", arch.vocab_size, shape[-1])
+        elif name in ("hidden_in", "hidden_out") and shape:
+            differs(name, "hidden_size", arch.hidden_size, shape[-1])

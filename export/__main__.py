@@ -80,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     drafts = tuple(args.draft) if args.draft else default_drafts(args.model)
     drafts = tuple(d for d in drafts if d != "none")
     out = args.out or _default_out(args.model, args.quant, args.device)
+    blocking = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:  # checked before any model loads
+        print(f"error: --out {out}: {blocking} exists and is not a folder", file=sys.stderr)
+        return 2
     formats = tuple(dict.fromkeys(f.strip() for f in args.format.split(",") if f.strip()))
     if not formats or set(formats) - set(FORMATS):
         parser.error(f"--format {args.format!r}: choose one or more of {', '.join(FORMATS)}, comma-separated")

@@ -1,13 +1,78 @@
-"""python -m runtime generate|audit|bench|serve|chat|plan|check BUNDLE ...: the command line over runtime.Engine."""
+"""python -m runtime generate|audit|bench|serve|chat|plan|check|handoff BUNDLE ...: the command line over runtime.Engine."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from pathlib import Path
 
 from runtime.engine import DRAFTERS
+from runtime.gamma import MAX_GAMMA
 from runtime.sessions import COREML_COMPUTE_UNITS
+
+
+
+
+def _integer(low: int | None = None, high: int | None = None):
+    """An argparse type: an integer in [low, high], checked at parse time (before any load)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if (low is not None and value < low) or (high is not None and value > high):
+            bounds = f"{low}..{high}" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"{value} is out of range (allowed: {bounds})")
+        return value
+
+    return parse
+
+
+def _number(low: float, high: float | None = None, low_open: bool = False):
+    """An argparse type: a finite number in [low, high] (or (low, high] with low_open)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value) or value < low or (low_open and value == low) or (high is not None and value > high):
+            bounds = f"{'(' if low_open else '['}{low:g}, {high:g}]" if high is not None else f"{'>' if low_open else '>='} {low:g}"
+            raise argparse.ArgumentTypeError(f"{text} is out of range (allowed: {bounds})")
+        return value
+
+    return parse
+
+
+def _gamma(text: str) -> str:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be auto or an integer 1..{MAX_GAMMA}, got {text!r}") from None
+    if not 1 <= value <= MAX_GAMMA:
+        raise argparse.ArgumentTypeError(f"must be auto or an integer 1..{MAX_GAMMA}, got {value}")
+    return text
+
+
+def _new_folder(text: str) -> str:
+    """An output folder: may exist as a folder, must not be (or lie under) a file."""
+    path = Path(text)
+    for part in (path, *path.parents):
+        if part.exists() and not part.is_dir():
+            raise argparse.ArgumentTypeError(f"{part} exists and is not a folder")
+    return text
+
+
+class _Parser(argparse.ArgumentParser):
+    """Argument errors as one `error:` line (exit 2), like every other error of the command."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
@@ -15,13 +80,13 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--provider", default="auto", help="auto|cpu|cuda|dml|coreml (default auto: cuda, dml, coreml, cpu, the first available)")
     parser.add_argument("--draft-provider", help="provider for the draft model (default: --provider)")
     parser.add_argument("--allow-fallback", action="store_true", help="use the CPU when the provider is missing or fails to start")
-    parser.add_argument("--device-id", type=int, default=0, help="CUDA / DirectML device index (default 0)")
+    parser.add_argument("--device-id", type=_integer(0, 255), default=0, help="CUDA / DirectML device index (default 0)")
     parser.add_argument("--coreml-compute-units", default="ALL", choices=COREML_COMPUTE_UNITS, help="where Core ML may run (default ALL)")
     parser.add_argument("--coreml-static-shapes", action="store_true", help="Core ML EP takes only nodes with static input shapes")
-    parser.add_argument("--threads", type=int, default=0, help="intra-op threads (0: ONNX Runtime's default)")
+    parser.add_argument("--threads", type=_integer(0, 1024), default=0, help="intra-op threads (0: ONNX Runtime's default)")
     parser.add_argument("--draft", default="auto", choices=DRAFTERS)
-    parser.add_argument("--gamma", default="auto", help="draft length: auto (adaptive) or a number")
-    parser.add_argument("--max-gamma", type=int, default=8)
+    parser.add_argument("--gamma", type=_gamma, default="auto", help=f"draft length: auto (adaptive) or 1..{MAX_GAMMA}")
+    parser.add_argument("--max-gamma", type=_integer(1, MAX_GAMMA), default=8, help=f"longest draft for auto (1..{MAX_GAMMA}, default 8)")
     parser.add_argument("--block-stable", action="store_true",
                         help="every target pass scores at least 2 positions: greedy output independent of drafter and gamma at any quantization (plain steps cost more)")
 
@@ -30,9 +95,12 @@ def _memory_size(text: str) -> int:
     from edge_spec.budget import parse_size
 
     try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        value = parse_size(text)
+    except (ValueError, OverflowError) as exc:
+        raise argparse.ArgumentTypeError(str(exc) if isinstance(exc, ValueError) else f"{text[:40]!r} is too large") from None
+    if value >= 1 << 63:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is too large (at most 8 EiB)")
+    return value
 
 
 def _memory_budget_arg(parser: argparse.ArgumentParser) -> None:
@@ -45,9 +113,9 @@ def _memory_budget_arg(parser: argparse.ArgumentParser) -> None:
 def _prompt_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--temperature", type=_number(0.0, 100.0), default=0.0)
+    parser.add_argument("--top-k", type=_integer(0), default=0)
+    parser.add_argument("--top-p", type=_number(0.0, 1.0, low_open=True), default=1.0)
 
 
 def _engine(args):
@@ -178,9 +246,6 @@ def cmd_bench(args) -> int:
     if args.micro:
         save_micro(run_micro(args.bundle, MicroConfig(kv_len=args.kv_len, provider=args.provider, threads=args.threads)), out)
     else:
-        if args.gamma != "auto" and not args.gamma.isdigit():
-            print(f"error: --gamma must be auto or a positive integer, got {args.gamma!r}", file=sys.stderr)
-            return 2
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         if "plain" not in modes:
             modes.insert(0, "plain")  # every speedup is measured against plain decoding
@@ -203,12 +268,28 @@ def cmd_serve(args) -> int:
     from runtime.api import Model
     from runtime.server import check_bind, serve
 
-    api_key = args.api_key or os.environ.get("EDGE_SPEC_API_KEY") or None
-    check_bind(args.host, api_key, args.insecure)  # refuse before the (slow) load
+    from runtime.server import ServerConfig, check_api_keys, read_api_key_file
+
+    # Everything is checked before the (slow) load.
+    keys = []
+    if args.api_key is not None:
+        keys.append(args.api_key)
+    elif os.environ.get("EDGE_SPEC_API_KEY") is not None and args.api_key_file is None:
+        keys.append(os.environ["EDGE_SPEC_API_KEY"])
+    if args.api_key_file:
+        keys += read_api_key_file(args.api_key_file)
+    check_api_keys(keys)
+    check_bind(args.host, keys, args.insecure)
+    config = ServerConfig(
+        host=args.host, allowed_hosts=tuple(args.allowed_host), allowed_origins=tuple(args.allowed_origin),
+        header_timeout=args.header_timeout, body_timeout=args.body_timeout, idle_timeout=args.idle_timeout,
+        max_connections=args.max_connections, max_connections_per_client=args.max_connections_per_client,
+        shutdown_timeout=args.shutdown_timeout, access_log=not args.no_access_log,
+    )
     model = Model(_engine(args), max_queue=args.max_queue, queue_timeout=args.queue_timeout or None, name=args.model_name)
     try:
-        serve(model, args.host, args.port, api_key, args.insecure, log_level=args.log_level,
-              announce=lambda line: print(line, flush=True))
+        serve(model, args.host, args.port, None, args.insecure, log_level=args.log_level,
+              announce=lambda line: print(line, flush=True), config=config, api_keys=keys)
     except OSError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -253,15 +334,37 @@ def cmd_check(args) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_handoff(args) -> int:
+    from runtime.bundle import open_bundle
+    from runtime.handoff import measured_alpha, plan
+
+    bundle = open_bundle(args.bundle, check_hashes=False)
+    alpha = args.alpha
+    if alpha is None and args.bench_results:
+        alphas = measured_alpha(args.bench_results)
+        mode = "model" if (args.method in ("auto", "draft") and "draft" in bundle.manifest.models) else "lookup"
+        if mode not in alphas:
+            raise ValueError(f"{args.bench_results} has no α for mode {mode!r} (it has: {', '.join(alphas) or 'none'})")
+        alpha = alphas[mode]
+    handoff = plan(bundle.manifest, args.engine, args.method, alpha, args.port)
+    if args.json:
+        print(json.dumps(handoff.to_dict()))
+    else:
+        print(handoff.command())
+        for note in handoff.notes:
+            print(f"# {note}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m runtime", description="Run edge-spec bundles.")
+    parser = _Parser(prog="python -m runtime", description="Run edge-spec bundles.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text from a prompt")
     _engine_args(gen)
     _prompt_args(gen)
-    gen.add_argument("--max-new-tokens", type=int, default=256)
-    gen.add_argument("--seed", type=int)
+    gen.add_argument("--max-new-tokens", type=_integer(1), default=256)
+    gen.add_argument("--seed", type=_integer(0, 2**63 - 1))
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _memory_budget_arg(gen)
@@ -286,27 +389,40 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("bundle")
     bench.add_argument("--prompts", default="humaneval:20", help="FILE.jsonl or humaneval[:N]; several, comma-separated")
     bench.add_argument("--modes", default="plain,model,lookup,layer-skip,auto", help="comma-separated (plain is always run)")
-    bench.add_argument("--max-new-tokens", type=int, default=128)
-    bench.add_argument("--repeat", type=int, default=1, help="passes over all prompts, interleaved")
-    bench.add_argument("--gamma", default="auto", help="auto (adaptive) or a fixed draft length")
-    bench.add_argument("--max-gamma", type=int, default=8)
+    bench.add_argument("--max-new-tokens", type=_integer(1), default=128)
+    bench.add_argument("--repeat", type=_integer(1), default=1, help="passes over all prompts, interleaved")
+    bench.add_argument("--gamma", type=_gamma, default="auto", help="auto (adaptive) or a fixed draft length")
+    bench.add_argument("--max-gamma", type=_integer(1, MAX_GAMMA), default=8)
     bench.add_argument("--provider", default="auto", help="auto|cpu|cuda|dml|coreml (default auto)")
-    bench.add_argument("--threads", type=int, default=0)
+    bench.add_argument("--threads", type=_integer(0, 1024), default=0)
     bench.add_argument("--micro", action="store_true",
                        help="time single passes instead: target T=1..16, one draft step per role, memory-bandwidth floor")
-    bench.add_argument("--kv-len", type=int, default=512, help="--micro: rows already in the KV cache (default 512)")
+    bench.add_argument("--kv-len", type=_integer(1), default=512, help="--micro: rows already in the KV cache (default 512)")
     bench.add_argument("--quiet", action="store_true", help="no progress line per run on stderr")
-    bench.add_argument("--out", required=True, help="folder for results.json / micro.json, report.md and PNGs")
+    bench.add_argument("--out", required=True, type=_new_folder, help="folder for results.json / micro.json, report.md and PNGs")
     bench.set_defaults(func=cmd_bench)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     _engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback only)")
-    serve.add_argument("--port", type=int, default=8000, help="port (0: any free port; the chosen one is printed)")
+    serve.add_argument("--port", type=_integer(0, 65535), default=8000, help="port (0: any free port; the chosen one is printed)")
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $EDGE_SPEC_API_KEY)")
+    serve.add_argument("--api-key-file", help="file of accepted keys, one per line (blank lines and # comments skipped)")
     serve.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without an API key")
-    serve.add_argument("--max-queue", type=int, default=16, help="requests that may wait for the engine; more get 429")
-    serve.add_argument("--queue-timeout", type=float, default=300.0, help="seconds a request may wait before a 503 (0: no limit)")
+    serve.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                       help="also answer requests whose Host is NAME (*.example.com, or * for any); repeatable")
+    serve.add_argument("--allowed-origin", action="append", default=[], metavar="URL",
+                       help="let browser pages from this origin call the server (CORS), e.g. http://localhost:3000; repeatable")
+    serve.add_argument("--max-queue", type=_integer(0, 100_000), default=16, help="requests that may wait for the engine; more get 429")
+    serve.add_argument("--queue-timeout", type=_number(0.0), default=300.0, help="seconds a request may wait before a 503 (0: no limit)")
+    serve.add_argument("--header-timeout", type=_number(0.0, low_open=True), default=10.0, help="seconds to send request headers (default 10)")
+    serve.add_argument("--body-timeout", type=_number(0.0, low_open=True), default=30.0, help="seconds to send a request body (default 30)")
+    serve.add_argument("--idle-timeout", type=_number(0.0, low_open=True), default=5.0, help="seconds a keep-alive connection may idle (default 5)")
+    serve.add_argument("--max-connections", type=_integer(1), default=512, help="open connections in all (default 512)")
+    serve.add_argument("--max-connections-per-client", type=_integer(1), default=64, help="open connections per client address (default 64)")
+    serve.add_argument("--shutdown-timeout", type=_number(0.0, low_open=True), default=10.0,
+                       help="seconds running generations may finish after SIGTERM before they are cancelled (default 10)")
+    serve.add_argument("--no-access-log", action="store_true", help="no access-log line per request on stderr")
     serve.add_argument("--model-name", help="model id clients use (default: the bundle folder's name)")
     serve.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     _memory_budget_arg(serve)
@@ -315,18 +431,18 @@ def main(argv: list[str] | None = None) -> int:
     chat = sub.add_parser("chat", help="chat in the terminal, with the bundle's chat template and history")
     _engine_args(chat)
     chat.add_argument("--system", help="system prompt")
-    chat.add_argument("--max-new-tokens", type=int, default=512)
-    chat.add_argument("--temperature", type=float, default=0.7)
-    chat.add_argument("--top-k", type=int, default=0)
-    chat.add_argument("--top-p", type=float, default=1.0)
-    chat.add_argument("--seed", type=int)
+    chat.add_argument("--max-new-tokens", type=_integer(1), default=512)
+    chat.add_argument("--temperature", type=_number(0.0, 100.0), default=0.7)
+    chat.add_argument("--top-k", type=_integer(0), default=0)
+    chat.add_argument("--top-p", type=_number(0.0, 1.0, low_open=True), default=1.0)
+    chat.add_argument("--seed", type=_integer(0, 2**63 - 1))
     chat.set_defaults(func=cmd_chat)
 
     plan = sub.add_parser("plan", help="memory plan of a bundle, part by part; exits 1 when it exceeds --memory-budget")
     plan.add_argument("bundle")
     plan.add_argument("--draft", default="auto", choices=DRAFTERS, help="the drafter to plan for (its roles are loaded)")
-    plan.add_argument("--max-gamma", type=int, default=8, help="longest draft: verify blocks take max-gamma+1 tokens")
-    plan.add_argument("--context", type=int, help="plan for this many tokens in use (default: the full max context)")
+    plan.add_argument("--max-gamma", type=_integer(1, MAX_GAMMA), default=8, help="longest draft: verify blocks take max-gamma+1 tokens")
+    plan.add_argument("--context", type=_integer(1), help="plan for this many tokens in use (default: the full max context)")
     _memory_budget_arg(plan)
     plan.add_argument("--json", action="store_true", help="one JSON object: parts, total_bytes, budget_bytes, fits")
     plan.set_defaults(func=cmd_plan)
@@ -336,6 +452,17 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--provider", required=True, choices=("cpu", "cuda", "dml", "coreml"))
     check.add_argument("--json", action="store_true", help="one JSON object: nodes, ok, missing (per op: stage, node, reason)")
     check.set_defaults(func=cmd_check)
+
+    handoff = sub.add_parser("handoff", help="print the vLLM or SGLang serve command for the same target and draft")
+    handoff.add_argument("bundle")
+    handoff.add_argument("--engine", required=True, choices=("vllm", "sglang"))
+    handoff.add_argument("--method", default="auto", choices=("auto", "draft", "lookup"),
+                         help="draft model or n-gram lookup (auto: the draft model when the bundle has one)")
+    handoff.add_argument("--alpha", type=_number(0.0, 0.999), help="per-token acceptance α measured on this device")
+    handoff.add_argument("--bench-results", metavar="FILE", help="results.json of `runtime bench`: α is its median")
+    handoff.add_argument("--port", type=_integer(1, 65535), default=8000)
+    handoff.add_argument("--json", action="store_true")
+    handoff.set_defaults(func=cmd_handoff)
 
     args = parser.parse_args(argv)
     from edge_spec.manifest import BundleError

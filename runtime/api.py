@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import AsyncIterator, Iterator
 
 from edge_spec.sampling import SamplingConfig
-from runtime.engine import Engine, EngineConfig, GenerateConfig, GenerationResult, PromptTooLongError
+from runtime.engine import Engine, EngineConfig, GenerateConfig, GenerationResult, PromptTooLongError, check_token_ids
 
 STOP_REASONS = ("eos", "stop", "length", "context", "cancelled")
 
@@ -98,7 +98,7 @@ class Chunk:
 
 def _empty_result(prompt_ids: list[int], stop_reason: str) -> GenerationResult:
     stats = {
-        "target_passes": 0, "drafted_tokens": 0, "accepted_tokens": 0, "acceptance_rate": None,
+        "target_passes": 0, "drafted_tokens": 0, "accepted_tokens": 0, "acceptance_rate": None, "alpha": None,
         "tokens_per_pass": 0.0, "gamma_histogram": {}, "drafter_rounds": {}, "cost_ratio": {},
         "time_s": {"draft": 0.0, "target": 0.0, "other": 0.0},
     }
@@ -129,7 +129,9 @@ class _TurnQueue:
         self._admitted: set[int] = set()
         self._order: deque[int] = deque()
         self._running: int | None = None
+        self.running_thread: int | None = None  # thread that took the running ticket
         self._next = 0
+        self.on_wait = None  # called (under the lock) while a request waits: releases abandoned streams
 
     def reserve(self) -> int:
         with self.cond:
@@ -147,7 +149,7 @@ class _TurnQueue:
             if ticket in self._order:
                 self._order.remove(ticket)
             if self._running == ticket:
-                self._running = None
+                self._running, self.running_thread = None, None
             self.cond.notify_all()
 
     def acquire(self, ticket: int, cancel: threading.Event, timeout: float | None) -> bool:
@@ -166,9 +168,12 @@ class _TurnQueue:
                             raise QueueTimeoutError(f"waited {timeout:g} s for the engine; retry later")
                         wait = min(wait, left)
                     self.cond.wait(wait)
+                    if self.on_wait is not None and self._running is not None:
+                        self.on_wait()
                 if cancel.is_set():
                     return False
                 self._running = ticket
+                self.running_thread = threading.get_ident()
                 return True
             finally:
                 self._order.remove(ticket)
@@ -177,7 +182,7 @@ class _TurnQueue:
     def release(self, ticket: int) -> None:
         with self.cond:
             if self._running == ticket:
-                self._running = None
+                self._running, self.running_thread = None, None
             self.cond.notify_all()
 
     def wake(self) -> None:
@@ -196,6 +201,49 @@ class _TurnQueue:
 
 
 _END = object()
+
+
+class _SyncStream:
+    """A Job's synchronous iterator. It records when it was last left waiting for its caller, so
+    a stream that still holds the engine but is no longer advanced (abandoned while referenced)
+    can be closed by a waiting request after the Model's stream_idle_timeout."""
+
+    def __init__(self, job: "Job", generator: Iterator[Chunk]):
+        self._job = job
+        self._generator = generator
+        self._lock = threading.Lock()  # held while advancing: a stream being advanced is never closed
+        self.idle_since: float | None = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Chunk:
+        with self._lock:
+            if self._job._abandoned:
+                raise RuntimeError(
+                    f"this stream was not advanced for {self._job.model.stream_idle_timeout:g} s while other requests "
+                    "waited, so it was closed and its engine given to them (Model(stream_idle_timeout=...))"
+                )
+            self.idle_since = None
+            try:
+                return next(self._generator)
+            finally:
+                self.idle_since = time.monotonic()
+
+    def close(self) -> None:
+        with self._lock:
+            self._generator.close()
+
+    def abandon_if_idle(self, idle_s: float) -> bool:
+        if self.idle_since is None or time.monotonic() - self.idle_since < idle_s or not self._lock.acquire(blocking=False):
+            return False
+        try:
+            self._job._abandoned = True
+            self._job.cancel()
+            self._generator.close()
+        finally:
+            self._lock.release()
+        return True
 
 
 class _Failure:
@@ -221,6 +269,9 @@ class Job:
         self._async_started: asyncio.Future | None = None
         self.final: GenerationResult | None = None  # set once the generation has ended
         self.submitted_at = time.perf_counter()
+        self.first_token_at: float | None = None  # perf_counter when the first round committed tokens
+        self._stream: _SyncStream | None = None  # the sync iterator, once there is one
+        self._abandoned = False
 
     # -- control ----------------------------------------------------------------------------
 
@@ -251,8 +302,9 @@ class Job:
         if self._iterated:
             raise RuntimeError("a Job can be iterated only once")
         self._iterated = True
-        iterator = self._run()
+        iterator = _SyncStream(self, self._run())
         self._iterator_ref = weakref.ref(iterator)
+        self._stream = weakref.proxy(iterator)
         return iterator
 
     def result(self) -> GenerationResult:
@@ -264,10 +316,14 @@ class Job:
         queue = self.model._queue
         try:
             waited_since = time.perf_counter()
+            if not self._cancel.is_set() and queue.running_thread == threading.get_ident():
+                raise RuntimeError("this thread is iterating a stream of this Model: a request made inside that loop "
+                                   "would wait for it forever; finish or close() the stream first")
             if not queue.acquire(self._ticket, self._cancel, self.model.queue_timeout):
                 self._finish(_empty_result(self.prompt_ids, "cancelled"), time.perf_counter() - waited_since)
                 yield Chunk("", self.final)
                 return
+            self.model._holder = weakref.ref(self)
             if self._on_start is not None:
                 self._on_start()
             try:
@@ -288,6 +344,8 @@ class Job:
         emitted = ""  # what this stream passed on (raw less a tail that may start a stop string)
         try:
             for piece, result in stream:
+                if self.first_token_at is None:
+                    self.first_token_at = time.perf_counter()  # the engine streams after its first round
                 if result is None:
                     raw += piece
                     safe = len(raw) - _stop_prefix_len(raw, stops) if stops else len(raw)
@@ -397,11 +455,19 @@ class _Counters:
 class Model:
     """A loaded bundle with a bounded request queue. Thread-safe; see the module docstring."""
 
-    def __init__(self, engine: Engine, *, max_queue: int = 16, queue_timeout: float | None = None, name: str | None = None):
+    def __init__(self, engine: Engine, *, max_queue: int = 16, queue_timeout: float | None = None, name: str | None = None,
+                 stream_idle_timeout: float | None = 60.0):
+        if stream_idle_timeout is not None and not stream_idle_timeout > 0:
+            raise ValueError(f"stream_idle_timeout must be > 0 seconds or None, got {stream_idle_timeout!r}")
         self.engine = engine
         self.name = name or Path(engine.bundle.path).resolve().name
         self.queue_timeout = queue_timeout
+        # A sync stream holding the engine but not advanced for this long, while another request
+        # waits, is closed: a stream abandoned but still referenced cannot block everyone.
+        self.stream_idle_timeout = stream_idle_timeout
+        self._holder = None  # weak reference to the Job holding the engine
         self._queue = _TurnQueue(max_queue)
+        self._queue.on_wait = self._release_abandoned
         self._closed = False
         self._jobs: weakref.WeakSet[Job] = weakref.WeakSet()
         self._counters = _Counters()
@@ -424,6 +490,7 @@ class Model:
         queue_timeout: float | None = None,
         name: str | None = None,
         engine_config: EngineConfig | None = None,
+        stream_idle_timeout: float | None = 60.0,
     ) -> "Model":
         """Open a bundle (validates it, loads the sessions, calibrates γ costs). engine_config,
         when given, replaces the provider..allow_fallback keywords."""
@@ -431,7 +498,17 @@ class Model:
             provider=provider, threads=threads, drafter=drafter, gamma=gamma,
             max_gamma=max(max_gamma, gamma or 0), allow_fallback=allow_fallback,
         )
-        return cls(Engine(bundle, config), max_queue=max_queue, queue_timeout=queue_timeout, name=name)
+        return cls(Engine(bundle, config), max_queue=max_queue, queue_timeout=queue_timeout, name=name,
+                   stream_idle_timeout=stream_idle_timeout)
+
+    def _release_abandoned(self) -> None:
+        job = self._holder() if self._holder is not None else None
+        if job is None or self.stream_idle_timeout is None or job._stream is None:
+            return
+        try:
+            job._stream.abandon_if_idle(self.stream_idle_timeout)
+        except ReferenceError:  # the stream was dropped meanwhile (and so closed)
+            pass
 
     # -- facts ------------------------------------------------------------------------------
 
@@ -480,14 +557,21 @@ class Model:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+    def encode(self, prompt: str | None = None, messages: list[dict] | None = None, parse_special: bool = True) -> list[int]:
         """Token ids of a raw prompt (the tokenizer adds BOS if it does) or of chat messages
-        rendered with the bundle's chat template and its generation prompt."""
-        return self.engine.encode(prompt=prompt, messages=messages)
+        rendered with the bundle's chat template and its generation prompt. Special-token
+        strings in message content are always text; in a raw prompt, with parse_special=False."""
+        return self.engine.encode(prompt=prompt, messages=messages, parse_special=parse_special)
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a prompt may hold: [0, vocab_size)."""
+        return self.engine.bundle.manifest.tokenizer.n_real_tokens
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
+        check_token_ids(prompt_ids, self.vocab_size)
         if len(prompt_ids) >= self.max_context:
             raise PromptTooLongError(
                 f"prompt has {len(prompt_ids)} tokens but the bundle's max context is {self.max_context}; "
@@ -544,11 +628,15 @@ class Model:
         here, before iteration starts."""
         return self.submit(prompt, **kwargs)
 
+    def cancel_all(self) -> None:
+        """Cancel every admitted request (waiting or running); new ones are still taken."""
+        for job in list(self._jobs):
+            job.cancel()
+
     def close(self) -> None:
         """Take no new requests and cancel those admitted."""
         self._closed = True
-        for job in list(self._jobs):
-            job.cancel()
+        self.cancel_all()
 
 
 __all__ = [

@@ -18,7 +18,7 @@ import numpy as np
 
 from edge_spec.budget import plan_bundle
 from edge_spec.commit import commit
-from edge_spec.manifest import BundleError
+from edge_spec.manifest import BundleError, check_declared_io
 from edge_spec.placement import check_bundle
 from edge_spec.profiles import load_verdict
 from edge_spec.sampling import SamplingConfig
@@ -40,6 +40,15 @@ DRAFTERS = ("auto", "model", "layer-skip", "lookup", "none")
 
 class PromptTooLongError(ValueError):
     pass
+
+
+def check_token_ids(ids, vocab: int) -> None:
+    """Every id an int in [0, vocab): ids past the tokenizer would index past embeddings."""
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+            raise ValueError(f"token ids must be integers, got {i!r}")
+        if not 0 <= i < vocab:
+            raise ValueError(f"token id {i} is outside the vocabulary [0, {vocab})")
 
 
 @dataclass(frozen=True)
@@ -116,6 +125,7 @@ class Engine:
         self.costs = CostModel()
         self._gamma_controllers: dict[tuple, GammaController] = {}
         self._lock = threading.Lock()
+        self._owner: int | None = None  # thread id of the generation holding _lock
         if config.calibrate and self.drafter is not None:
             self.calibrate()
 
@@ -191,6 +201,9 @@ class Engine:
             if key not in self._sessions:
                 choice = self.provider_choices[group]
                 session, reason = open_session(self.bundle.file(stage.file), choice.provider, self._session_config(choice))
+                if hasattr(session, "get_inputs"):  # the manifest's facts against what the graph declares
+                    owner_arch = manifest.models[info.shares_kv_with or role].arch
+                    check_declared_io(owner_arch, key, stage, [(v.name, v.type, v.shape) for v in (*session.get_inputs(), *session.get_outputs())])
                 if reason:  # later stages of the group go straight to the CPU
                     self.provider_choices[group] = dataclasses.replace(choice, provider="cpu", fallback_from=choice.provider, reason=reason)
                 self._sessions[key] = session
@@ -269,10 +282,14 @@ class Engine:
 
     # -- generation ------------------------------------------------------------------------
 
-    def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+    def encode(self, prompt: str | None = None, messages: list[dict] | None = None, parse_special: bool = True) -> list[int]:
+        """Token ids of a raw prompt or of chat messages. Special-token strings in message content
+        are always text; in a raw prompt they are control tokens unless parse_special=False."""
         if (prompt is None) == (messages is None):
             raise ValueError("pass exactly one of prompt or messages")
-        return self.tokenizer.encode_chat(messages) if messages is not None else self.tokenizer.encode(prompt)
+        if messages is not None:
+            return self.tokenizer.encode_chat(messages)
+        return self.tokenizer.encode(prompt, parse_special=parse_special)
 
     def _controllers(self, horizon_tokens: int) -> dict[str, GammaController]:
         if self.drafter is None:
@@ -295,6 +312,7 @@ class Engine:
         max_context = self.target.cache.max_context
         if not prompt_ids:
             raise ValueError("the prompt is empty")
+        check_token_ids(prompt_ids, self.bundle.manifest.tokenizer.n_real_tokens)
         if len(prompt_ids) >= max_context:
             raise PromptTooLongError(
                 f"prompt has {len(prompt_ids)} tokens but the bundle's max context is {max_context}; "
@@ -310,8 +328,15 @@ class Engine:
         cancel: an Event another thread may set; generation then stops after the current
         target pass and the result's stop_reason is "cancelled"."""
         self._check_prompt(prompt_ids)
+        if self._owner == threading.get_ident():
+            raise RuntimeError("this Engine is already generating on this thread (generate or stream inside a stream "
+                               "of the same Engine would wait for itself forever); finish or close that stream first")
         with self._lock:
-            yield from self._stream_locked(list(prompt_ids), config, self.drafter if speculative else None, cancel)
+            self._owner = threading.get_ident()
+            try:
+                yield from self._stream_locked(list(prompt_ids), config, self.drafter if speculative else None, cancel)
+            finally:
+                self._owner = None
 
     def _stream_locked(self, prompt_ids: list[int], config: GenerateConfig, drafter: Drafter | None, cancel: threading.Event | None = None):
         rng = np.random.default_rng(config.sampling.seed)

@@ -19,7 +19,7 @@ import numpy as np
 from edge_spec.verify import expected_tokens_per_pass
 
 
-MAX_GAMMA = 64  # start-up calibration times every verify block up to max_gamma + 1
+MAX_GAMMA = 32  # start-up calibration times every verify block up to max_gamma + 1 (its cost grows with the square)
 
 
 @dataclass(frozen=True)

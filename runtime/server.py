@@ -15,18 +15,25 @@ Built on starlette + uvicorn (h11); imports no torch/transformers.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import ipaddress
 import json
+import logging
 import math
+import re
 import socket
 import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from starlette.applications import Starlette
+from starlette.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -41,6 +48,10 @@ MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
+SHUTDOWN_FINISH_REASON = "abort"  # vLLM's name for a request the server ended: the text is cut short
+MAX_JSON_DEPTH = 32  # deeper request bodies are refused (a bounded walk, after a parse the recursion limit bounds)
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")  # a client's X-Request-Id is echoed only if it looks like one
+access_log = logging.getLogger("edge_spec.access")
 
 # Accepted for compatibility, but only with the value that means "off" (or null).
 _COMMON_INERT = {
@@ -51,19 +62,132 @@ _COMMON_INERT = {
     "best_of": (1,),
 }
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "user"}
-COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "logprobs"} | set(_COMMON_INERT)
+# parse_special (an extension, as in llama.cpp's server): special-token strings in a raw prompt are
+# control tokens only when the caller asks; by default they are text.
+COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "logprobs", "parse_special"} | set(_COMMON_INERT)
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
                          "tools", "tool_choice", "parallel_tool_calls"} | (set(_COMMON_INERT) - {"best_of"})
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 
 def is_loopback(host: str) -> bool:
-    if host.lower() == "localhost":
+    if host.lower() in ("localhost", "localhost."):
         return True
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def _is_wildcard(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return False
+
+
+def _host_name(header: str) -> str | None:
+    """The name in a Host header, without the port; None when it is not a host[:port]."""
+    try:
+        parts = urlsplit("//" + header)
+        return parts.hostname if parts.port is None or 0 <= parts.port <= 65535 else None
+    except ValueError:
+        return None
+
+
+def _origin(value: str) -> str:
+    """An Origin (scheme://host[:port]) normalized for comparison."""
+    return value.strip().rstrip("/").lower()
+
+
+def check_api_keys(keys) -> tuple[bytes, ...]:
+    """Keys as UTF-8 bytes; a blank key, or one with spaces or control characters (it could not be
+    sent as a Bearer token), is refused: with it nothing could authenticate."""
+    out = []
+    for key in keys:
+        if not isinstance(key, str) or not key.strip():
+            raise ValueError("an API key is empty or blank: every key needs at least one visible character")
+        if any(c.isspace() or not c.isprintable() for c in key):
+            raise ValueError("an API key contains spaces or control characters; a Bearer token cannot carry them")
+        out.append(key.encode("utf-8"))
+    return tuple(out)
+
+
+def read_api_key_file(path: str) -> list[str]:
+    """One key per line; blank lines and lines starting with # are skipped."""
+    try:
+        text = open(path, encoding="utf-8").read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read --api-key-file {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    keys = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+    if not keys:
+        raise ValueError(f"--api-key-file {path} holds no key (one per line)")
+    return keys
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Limits and policies of the HTTP server; every field is a --flag of `serve`.
+
+    Host policy: a Host header must name loopback (localhost, 127.0.0.0/8, ::1), the address the
+    server is bound to, any IP address when it is bound to all interfaces, or an allowed_hosts
+    entry ("*" allows every name). Origin policy: a request with an Origin header (a browser)
+    is refused unless the origin is in allowed_origins, which also get CORS headers."""
+
+    host: str = "127.0.0.1"
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
+    max_body_bytes: int = MAX_BODY_BYTES
+    header_timeout: float = 10.0  # seconds to send a request's line and headers
+    body_timeout: float = 30.0  # seconds to send its body
+    idle_timeout: float = 5.0  # seconds a keep-alive connection may sit idle between requests
+    max_connections: int = 512
+    max_connections_per_client: int = 64
+    shutdown_timeout: float = 10.0  # seconds running generations may go on after SIGTERM
+    auth_failures: int = 10  # wrong keys a client may send per auth_window before a 429
+    auth_window: float = 60.0
+    access_log: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "allowed_hosts", tuple(h.strip().lower() for h in self.allowed_hosts))
+        object.__setattr__(self, "allowed_origins", tuple(_origin(o) for o in self.allowed_origins))
+        for name in ("header_timeout", "body_timeout", "idle_timeout", "shutdown_timeout", "auth_window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        for name in ("max_body_bytes", "max_connections", "max_connections_per_client", "auth_failures"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for h in self.allowed_hosts:
+            if not h or (h != "*" and not re.fullmatch(r"(\*\.)?[a-z0-9._\-\[\]:]+", h)):
+                raise ValueError(f"--allowed-host {h!r} is not a host name (example.com, *.example.com, or *)")
+        for o in self.allowed_origins:
+            parts = urlsplit(o)
+            if o != "*" and (parts.scheme not in ("http", "https") or not parts.netloc or parts.path):
+                raise ValueError(f"--allowed-origin {o!r} is not an origin like https://app.example.com[:port] (or *)")
+
+    def host_allowed(self, header: str | None) -> bool:
+        if not header:
+            return False
+        name = _host_name(header)
+        if name is None:
+            return False
+        if is_loopback(name) or name == self.host.strip("[]").lower():
+            return True
+        try:
+            ipaddress.ip_address(name)
+            if _is_wildcard(self.host):  # an IP address is no DNS-rebinding vector
+                return True
+        except ValueError:
+            pass
+        for allowed in self.allowed_hosts:
+            if allowed == "*" or name == allowed or (allowed.startswith("*.") and name.endswith(allowed[1:])):
+                return True
+        return False
+
+    def origin_allowed(self, origin: str) -> bool:
+        return "*" in self.allowed_origins or _origin(origin) in self.allowed_origins
 
 
 class ApiError(Exception):
@@ -84,13 +208,76 @@ class _ClientGone(Exception):
     pass
 
 
+def _check_tree(body) -> None:
+    """Walks the parsed body without recursion: refuses nesting deeper than MAX_JSON_DEPTH and
+    strings that are not Unicode text (a lone surrogate escape such as "\\ud800")."""
+    stack = [(body, 1, "body")]
+    while stack:
+        value, depth, where = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(400, f"the JSON body is nested too deeply (at most {MAX_JSON_DEPTH} levels)", code="invalid_json")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                _check_text(key, where)
+                stack.append((item, depth + 1, key if where == "body" else f"{where}.{key}"))
+        elif isinstance(value, list):
+            stack.extend((item, depth + 1, f"{where}[{i}]") for i, item in enumerate(value))
+        elif isinstance(value, str):
+            _check_text(value, where)
+
+
+def _check_text(value: str, where: str) -> None:
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(400, f"{where} holds a lone UTF-16 surrogate (an escape like \\ud800 without its pair), "
+                                "which is not Unicode text", param=None if where == "body" else where,
+                           code="invalid_text") from None
+
+
 # -- metrics ------------------------------------------------------------------------------------
 
+class Histogram:
+    """A Prometheus histogram: cumulative bucket counts, sum and count."""
+
+    def __init__(self, buckets: tuple[float, ...]):
+        self.buckets = buckets
+        self.counts = [0] * len(buckets)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                self.counts[i] += 1
+        self.sum += value
+        self.count += 1
+
+    def lines(self, name: str) -> list[str]:
+        out = [f'{name}_bucket{{le="{bound:g}"}} {n}' for bound, n in zip(self.buckets, self.counts)]
+        return out + [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.sum:.6f}", f"{name}_count {self.count}"]
+
+
+_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+HISTOGRAMS = {
+    # name: (help, buckets)
+    "time_to_first_token_seconds": ("Request arrival to its first generated token.", _SECONDS),
+    "time_per_output_token_seconds": ("Decode time per generated token after the first, per request.",
+                                      (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)),
+    "queue_time_seconds": ("Time a request waited for the engine.", _SECONDS),
+    "request_acceptance_alpha": ("Per-token draft acceptance alpha of each speculative request.",
+                                 tuple(i / 10 for i in range(1, 11))),
+    "request_tokens_per_pass": ("Tokens committed per target pass, per request.", (1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0)),
+}
+
+
 class Metrics:
-    """Counters for /metrics, in Prometheus' text exposition format."""
+    """Counters and histograms for /metrics, in Prometheus' text exposition format."""
 
     def __init__(self):
         self._lock = threading.Lock()
+        self._histograms = {name: Histogram(buckets) for name, (_, buckets) in HISTOGRAMS.items()}
         self._requests: dict[tuple[str, int], int] = {}
         self._cancelled_by_disconnect = 0
         self._seconds_sum = 0.0
@@ -106,6 +293,21 @@ class Metrics:
     def disconnect(self) -> None:
         with self._lock:
             self._cancelled_by_disconnect += 1
+
+    def generation(self, began: float, first_token_at: float | None, ended: float, result) -> None:
+        """One finished generation: began is the request's arrival (perf_counter)."""
+        n = len(result.token_ids)
+        with self._lock:
+            h = self._histograms
+            h["queue_time_seconds"].observe(result.timings.get("queue_s", 0.0))
+            if first_token_at is not None and n:
+                h["time_to_first_token_seconds"].observe(first_token_at - began)
+                if n > 1:
+                    h["time_per_output_token_seconds"].observe((ended - first_token_at) / (n - 1))
+            if result.stats.get("alpha") is not None:
+                h["request_acceptance_alpha"].observe(result.stats["alpha"])
+            if result.stats.get("target_passes"):
+                h["request_tokens_per_pass"].observe(result.stats["tokens_per_pass"])
 
     def render(self, model: Model) -> str:
         c = model.counters()
@@ -146,6 +348,11 @@ class Metrics:
         metric("queue_depth", "gauge", "Requests waiting for the engine.", [({}, model.queue_depth)])
         metric("queue_capacity", "gauge", "Requests that may wait (--max-queue).", [({}, model.max_queue)])
         metric("generation_running", "gauge", "1 while a generation holds the engine.", [({}, int(model.busy))])
+        with self._lock:
+            for name, (help_text, _) in HISTOGRAMS.items():
+                lines.append(f"# HELP edge_spec_{name} {help_text}")
+                lines.append(f"# TYPE edge_spec_{name} histogram")
+                lines.extend(self._histograms[name].lines(f"edge_spec_{name}"))
         return "\n".join(lines) + "\n"
 
 
@@ -228,16 +435,61 @@ class Parsed:
     include_usage: bool
 
 
+class _AuthThrottle:
+    """Wrong keys per client address in a sliding window; past the limit, 429 until it slides."""
+
+    MAX_CLIENTS = 10_000  # remembered addresses (the oldest are forgotten first)
+
+    def __init__(self, limit: int, window: float):
+        self.limit, self.window = limit, window
+        self._failures: dict[str, deque] = {}
+        self._lock = threading.Lock()
+
+    def _recent(self, client: str, now: float) -> deque:
+        failures = self._failures.get(client)
+        if failures is None:
+            return deque()
+        while failures and failures[0] <= now - self.window:
+            failures.popleft()
+        if not failures:
+            del self._failures[client]
+        return failures
+
+    def retry_after(self, client: str) -> int | None:
+        with self._lock:
+            now = time.monotonic()
+            failures = self._recent(client, now)
+            if len(failures) < self.limit:
+                return None
+            return max(1, math.ceil(failures[0] + self.window - now))
+
+    def fail(self, client: str) -> None:
+        with self._lock:
+            if client not in self._failures and len(self._failures) >= self.MAX_CLIENTS:
+                del self._failures[next(iter(self._failures))]
+            self._failures.setdefault(client, deque()).append(time.monotonic())
+
+
 class Server:
     def __init__(self, model: Model, model_id: str | None = None, api_key: str | None = None,
-                 max_body_bytes: int = MAX_BODY_BYTES):
+                 max_body_bytes: int | None = None, config: ServerConfig | None = None, api_keys=()):
         self.model = model
         self.model_id = model_id or model.name
-        self._key = api_key.encode() if api_key else None
-        self.max_body_bytes = max_body_bytes
+        self.config = config or ServerConfig()
+        if max_body_bytes is not None:
+            self.config = dataclasses.replace(self.config, max_body_bytes=max_body_bytes)
+        keys = ([api_key] if api_key is not None else []) + list(api_keys)
+        self._keys = check_api_keys(keys)
+        self.max_body_bytes = self.config.max_body_bytes
         self.metrics = Metrics()
         self.created = int(time.time())
-        self.app = Starlette(
+        self._throttle = _AuthThrottle(self.config.auth_failures, self.config.auth_window)
+        # One tokenizing thread: a huge prompt is tokenized off the event loop (the tokenizer
+        # releases the GIL) and several at once queue there instead of taking every core.
+        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="edge-spec-tokenize")
+        self.stopping = False  # SIGTERM: no new generations
+        self.aborting = False  # the shutdown deadline passed: running generations were cancelled
+        inner = Starlette(
             routes=[
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics_endpoint, methods=["GET"]),
@@ -248,8 +500,54 @@ class Server:
             ],
             exception_handlers={HTTPException: self._http_error, Exception: self._internal_error},
         )
+        if self.config.allowed_origins:
+            inner = CORSMiddleware(inner, allow_origins=list(self.config.allowed_origins), allow_methods=["GET", "POST"],
+                                   allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                                   expose_headers=["X-Request-Id", "Retry-After"], max_age=600)
+        self._inner = inner
+        self.app = self._guard
 
     # -- plumbing ---------------------------------------------------------------------------
+
+    async def _guard(self, scope, receive, send) -> None:
+        """Every HTTP request: a request id (echoed in X-Request-Id), the Host and Origin policy,
+        and one access-log line."""
+        if scope["type"] != "http":
+            return await self._inner(scope, receive, send)
+        began = time.perf_counter()
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
+        given = headers.get("x-request-id", "")
+        rid = given if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        scope["edge_spec.request_id"] = rid
+        status = [0]
+
+        async def tagged(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid.encode())]}
+            await send(message)
+
+        try:
+            origin = headers.get("origin")
+            if not self.config.host_allowed(headers.get("host")):
+                error = ApiError(403, f"Host {headers.get('host', '')[:100]!r} is not allowed: this server answers loopback "
+                                      "names and its own address (serve --allowed-host NAME allows others)", code="host_not_allowed")
+                await error.response()(scope, receive, tagged)
+            elif origin is not None and not self.config.origin_allowed(origin):
+                error = ApiError(403, f"Origin {origin[:100]!r} is not allowed: browsers may call this server only from "
+                                      "an allowed origin (serve --allowed-origin URL)", code="origin_not_allowed")
+                await error.response()(scope, receive, tagged)
+            else:
+                await self._inner(scope, receive, tagged)
+        finally:
+            if self.config.access_log and access_log.isEnabledFor(logging.INFO):
+                client = scope.get("client") or ("-", 0)
+                access_log.info('%s:%s "%s %s HTTP/%s" %s %.1fms id=%s', client[0], client[1], scope["method"], scope["path"],
+                                scope.get("http_version", "1.1"), status[0] or 499, (time.perf_counter() - began) * 1e3, rid)
+
+    @staticmethod
+    def request_id(request: Request) -> str:
+        return request.scope.get("edge_spec.request_id", "-")
 
     async def _http_error(self, request: Request, exc: HTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
@@ -258,18 +556,30 @@ class Server:
         return ApiError(exc.status_code, message, code=code, headers=exc.headers).response()
 
     async def _internal_error(self, request: Request, exc: Exception) -> Response:
-        print(f"edge-spec server: internal error on {request.url.path}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"edge-spec server: internal error on {request.url.path} (request {self.request_id(request)}): "
+              f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
 
     def _authorize(self, request: Request) -> None:
-        if self._key is None:
+        if not self._keys:
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if not header or scheme.lower() != "bearer" or not token.strip():
+        client = (request.scope.get("client") or ("-",))[0]
+        wait = self._throttle.retry_after(client)
+        if wait is not None:
+            raise ApiError(429, f"Too many wrong API keys from {client}; retry in {wait} s", type="rate_limit_error",
+                           code="auth_throttled", headers={"Retry-After": str(wait)})
+        # The raw header bytes: a key is compared as the UTF-8 bytes the client sent.
+        header = next((v for k, v in request.scope.get("headers", ()) if k.lower() == b"authorization"), b"")
+        scheme, _, token = header.strip().partition(b" ")
+        token = token.strip()
+        if not header or scheme.lower() != b"bearer" or not token:
             raise ApiError(401, "Missing API key: send it as 'Authorization: Bearer KEY'", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
-        if not hmac.compare_digest(token.strip().encode(), self._key):
+        matched = False
+        for key in self._keys:  # every key is compared: the time taken does not say which matched
+            matched |= hmac.compare_digest(token, key)
+        if not matched:
+            self._throttle.fail(client)
             raise ApiError(401, "Incorrect API key provided", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     async def _json_body(self, request: Request) -> dict:
@@ -291,11 +601,15 @@ class Server:
 
         try:
             body = json.loads(b"".join(chunks), parse_constant=no_constants)
+        except RecursionError:
+            raise ApiError(400, f"the JSON body is nested too deeply (at most {MAX_JSON_DEPTH} levels)",
+                           code="invalid_json") from None
         except (ValueError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"We could not parse the JSON body of your request ({exc}); send a JSON object "
                                 "with Content-Type: application/json", code="invalid_json") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+        _check_tree(body)
         return body
 
     def _check_model(self, body: dict) -> None:
@@ -348,7 +662,20 @@ class Server:
         except ValueError as exc:
             raise _value_error(param, str(exc)) from None
 
-    def _parse_completion(self, body: dict) -> Parsed:
+    def _cheap_length_check(self, n_bytes: int, param: str) -> None:
+        """Refuse, without tokenizing, text that cannot fit: no token stands for more than
+        max_token_bytes bytes, so it needs more tokens than the context holds."""
+        bound = self.model.max_context * self.model.engine.tokenizer.max_token_bytes
+        if n_bytes > bound:
+            raise ApiError(400, f"This model's maximum context length is {self.model.max_context} tokens, and the "
+                                f"{param} has {n_bytes} bytes, more than that many tokens can hold; shorten it",
+                           param=param, code="context_length_exceeded")
+
+    async def _encode(self, **kwargs) -> list[int]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, lambda: self.model.encode(**kwargs))
+
+    async def _parse_completion(self, body: dict) -> Parsed:
         _check_fields(body, COMPLETION_FIELDS)
         self._check_model(body)
         if _boolean(body, "echo", False):
@@ -361,12 +688,12 @@ class Server:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
+        parse_special = _boolean(body, "parse_special", False)
         if isinstance(prompt, str):
-            if len(prompt) > self.max_body_bytes:
-                raise _value_error("prompt", "the prompt is too long")
-            ids = self.model.encode(prompt=prompt)
+            self._cheap_length_check(len(prompt.encode("utf-8")), "prompt")
+            ids = await self._encode(prompt=prompt, parse_special=parse_special)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            vocab = self.model.engine.bundle.manifest.tokenizer.n_real_tokens
+            vocab = self.model.vocab_size
             if any(not 0 <= t < vocab for t in prompt):
                 raise _value_error("prompt", f"token ids must be in [0, {vocab})")
             ids = list(prompt)
@@ -381,7 +708,7 @@ class Server:
         stream, include_usage = self._stream_flags(body)
         return Parsed(ids, options, stream, include_usage)
 
-    def _parse_chat(self, body: dict) -> Parsed:
+    async def _parse_chat(self, body: dict) -> Parsed:
         _check_fields(body, CHAT_FIELDS)
         self._check_model(body)
         if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
@@ -423,11 +750,9 @@ class Server:
         if not self.model.has_chat_template:
             raise ApiError(400, "this bundle's tokenizer has no chat template; use /v1/completions with a raw prompt",
                            param="messages", code="no_chat_template")
-        total_chars = sum(len(m["content"]) for m in clean)
-        if total_chars > self.max_body_bytes:
-            raise _value_error("messages", "the messages are too long")
+        self._cheap_length_check(sum(len(m["content"].encode("utf-8")) for m in clean), "messages")
         try:
-            ids = self.model.encode(messages=clean)
+            ids = await self._encode(messages=clean)
         except ChatTemplateError as exc:
             raise _value_error("messages", str(exc)) from None
         self._check_prompt_ids(ids, "messages")
@@ -490,8 +815,10 @@ class Server:
         status = 200
         try:
             self._authorize(request)
+            if self.stopping:
+                raise ApiError(503, "the server is shutting down", type="server_error", code="shutting_down")
             body = await self._json_body(request)
-            parsed = parse(body)
+            parsed = await parse(body)
             job = self._submit(parsed)
         except ApiError as exc:
             self.metrics.request(endpoint, exc.status, time.perf_counter() - began)
@@ -505,14 +832,23 @@ class Server:
             # Wait for our turn here, so a queue timeout is still a proper 503 and a client
             # that leaves while waiting is noticed.
             if not await _unless_disconnected(request, job, job.astart()):
+                if self.stopping:
+                    raise ModelClosedError()
                 raise _ClientGone()
             if parsed.stream:
                 stream = self._events(job, parsed, ident, chat, request, endpoint, began)
                 return _EventStream(stream, on_disconnect=lambda: self._disconnected(job))
             result = await _unless_disconnected(request, job, job.aresult())
             if result.stop_reason == "cancelled":
+                if self.aborting:
+                    raise ModelClosedError()
                 raise _ClientGone()
+            self.metrics.generation(began, job.first_token_at, time.perf_counter(), result)
             return JSONResponse(self._final_body(result, ident, chat))
+        except ModelClosedError:
+            status = 503
+            return ApiError(503, "the server is shutting down; the generation was cancelled", type="server_error",
+                            code="shutting_down").response()
         except QueueTimeoutError as exc:
             status = 503
             return ApiError(503, f"Server busy: {exc}", type="server_error", code="queue_timeout",
@@ -528,6 +864,19 @@ class Server:
         finally:
             if not parsed.stream or status != 200:
                 self.metrics.request(endpoint, status, time.perf_counter() - began)
+
+    def begin_shutdown(self, loop: asyncio.AbstractEventLoop) -> None:
+        """SIGTERM: take no new generations; running and queued ones may finish for
+        shutdown_timeout seconds, then are cancelled (streams get a last chunk and [DONE])."""
+        if self.stopping:
+            return
+        self.stopping = True
+
+        def abort() -> None:
+            self.aborting = True
+            self.model.cancel_all()
+
+        loop.call_later(self.config.shutdown_timeout, abort)
 
     def _disconnected(self, job: Job) -> None:
         """The client went away: cancel its generation (once), unless it had already finished."""
@@ -582,10 +931,14 @@ class Server:
                     yield event(choice(chunk.text, None))
                 if chunk.result is not None:
                     result = chunk.result
-                    if result.stop_reason == "cancelled":
+                    if result.stop_reason == "cancelled" and not self.aborting:
                         status = 499
                         return
-                    yield event(choice(None, FINISH_REASONS[result.stop_reason]), speculative=self._speculative(result))
+                    # Cancelled by the shutdown deadline: the client still gets a last chunk and [DONE].
+                    finish = SHUTDOWN_FINISH_REASON if result.stop_reason == "cancelled" else FINISH_REASONS[result.stop_reason]
+                    if result.stop_reason != "cancelled":
+                        self.metrics.generation(began, job.first_token_at, time.perf_counter(), result)
+                    yield event(choice(None, finish), speculative=self._speculative(result))
                     if parsed.include_usage:
                         yield event(None, usage=self._usage(result))
             yield b"data: [DONE]\n\n"
@@ -595,7 +948,8 @@ class Server:
             raise
         except Exception as exc:  # mid-stream: the status line is sent, so report in-band
             status = 500
-            print(f"edge-spec server: error mid-stream: {type(exc).__name__}: {exc}", file=sys.stderr)
+            print(f"edge-spec server: error mid-stream (request {self.request_id(request)}): {type(exc).__name__}: {exc}",
+                  file=sys.stderr)
             yield b"data: " + json.dumps(ApiError(500, f"internal error: {exc}", type="server_error").body()).encode() + b"\n\n"
         finally:
             if not job.done:
@@ -666,15 +1020,17 @@ class _EventStream(StreamingResponse):
 
 # -- running ------------------------------------------------------------------------------------
 
-def check_bind(host: str, api_key: str | None, insecure: bool) -> None:
+def check_bind(host: str, api_key, insecure: bool) -> None:
     if not is_loopback(host) and not api_key and not insecure:
         raise ValueError(
-            f"--host {host} is reachable from other machines: pass --api-key KEY (or set EDGE_SPEC_API_KEY), "
-            "or --insecure to serve it without a key"
+            f"--host {host} is reachable from other machines: pass --api-key KEY or --api-key-file FILE (or set "
+            "EDGE_SPEC_API_KEY), or --insecure to serve it without a key"
         )
 
 
 def bind(host: str, port: int) -> socket.socket:
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"--port must be 0..65535, got {port!r}")
     family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -688,27 +1044,161 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _Connections:
+    """Open connections per client address and in all, for the guarded protocol."""
+
+    def __init__(self, total: int, per_client: int):
+        self.total, self.per_client = total, per_client
+        self.count = 0
+        self.by_client: dict[str, int] = {}
+
+    def admit(self, client: str) -> tuple[int, str] | None:
+        """None when admitted (then leave() must follow), else (status, reason)."""
+        if self.count >= self.total:
+            return 503, f"the server holds its limit of {self.total} connections"
+        if self.by_client.get(client, 0) >= self.per_client:
+            return 429, f"this client holds its limit of {self.per_client} connections"
+        self.count += 1
+        self.by_client[client] = self.by_client.get(client, 0) + 1
+        return None
+
+    def leave(self, client: str) -> None:
+        self.count -= 1
+        left = self.by_client.get(client, 1) - 1
+        if left:
+            self.by_client[client] = left
+        else:
+            self.by_client.pop(client, None)
+
+
+def _raw_response(status: int, code: str, message: str, retry_after: int | None = None) -> bytes:
+    body = json.dumps(ApiError(status, message, type="server_error" if status >= 500 else "invalid_request_error",
+                               code=code).body()).encode()
+    reason = {408: "Request Timeout", 429: "Too Many Requests", 503: "Service Unavailable"}[status]
+    head = [f"HTTP/1.1 {status} {reason}", "Content-Type: application/json", f"Content-Length: {len(body)}", "Connection: close"]
+    if retry_after is not None:
+        head.append(f"Retry-After: {retry_after}")
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def guarded_protocol(config: ServerConfig):
+    """uvicorn's h11 protocol plus what uvicorn lacks: a deadline for a request's headers (which
+    also bounds a connection that sends nothing), a deadline for its body, and connection limits
+    per client and in all. The keep-alive idle timeout is uvicorn's own."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    connections = _Connections(config.max_connections, config.max_connections_per_client)
+
+    class GuardedH11Protocol(H11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._deadline = None
+            self._reading = None
+            self._client_key = self.client[0] if self.client else "-"
+            refusal = connections.admit(self._client_key)
+            self._admitted = refusal is None
+            if refusal is not None:
+                status, reason = refusal
+                transport.write(_raw_response(status, "too_many_connections", f"{reason}; retry later", retry_after=1))
+                transport.close()
+                return
+            self._arm("headers")
+
+        def connection_lost(self, exc) -> None:
+            if self._admitted:
+                self._admitted = False
+                connections.leave(self._client_key)
+            self._disarm()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self._watch(arrived=True)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._watch(arrived=False)
+
+        def _watch(self, arrived: bool) -> None:
+            if self.transport.is_closing():
+                return self._disarm()
+            state = self.conn.their_state
+            if state is h11.SEND_BODY:
+                if self._reading != "body":
+                    self._arm("body")
+            elif state is h11.IDLE:
+                if arrived and self._reading != "headers":
+                    self._arm("headers")  # the next request began: its headers have a deadline
+                elif not arrived:
+                    self._disarm()  # between requests: uvicorn's keep-alive timeout applies
+            else:
+                self._disarm()
+
+        def _arm(self, what: str) -> None:
+            self._disarm()
+            seconds = config.header_timeout if what == "headers" else config.body_timeout
+            self._reading = what
+            self._deadline = self.loop.call_later(seconds, self._expired, what, seconds)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            self._deadline, self._reading = None, None
+
+        def _expired(self, what: str, seconds: float) -> None:
+            self._deadline, self._reading = None, None
+            if self.transport.is_closing():
+                return
+            if self.cycle is None or not self.cycle.response_started:
+                self.transport.write(_raw_response(408, "request_timeout", f"the request's {what} took longer than {seconds:g} s"))
+            self.transport.close()
+
+    GuardedH11Protocol.connections = connections
+    return GuardedH11Protocol
+
+
 def make_uvicorn(server: Server, log_level: str = "warning"):
     import uvicorn
 
     config = uvicorn.Config(
-        server.app, http="h11", lifespan="off", log_level=log_level, access_log=log_level in ("info", "debug", "trace"),
-        # limit_concurrency is a last guard against connection floods (idle keep-alive connections
-        # count too); the request queue is what bounds the work.
-        timeout_keep_alive=5, timeout_graceful_shutdown=5, limit_concurrency=max(1024, 4 * (server.model.max_queue + 1)),
+        server.app, http=guarded_protocol(server.config), interface="asgi3", lifespan="off", log_level=log_level,
+        access_log=False, proxy_headers=False,  # X-Forwarded-For from loopback must not pick the throttled address
+        timeout_keep_alive=server.config.idle_timeout,
+        # uvicorn cancels what is left only after our own deadline has ended every generation.
+        timeout_graceful_shutdown=server.config.shutdown_timeout + 10,
     )
-    return uvicorn.Server(config)
+
+    class _Uvicorn(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()  # a handled SIGTERM/SIGINT ends the process with status 0
+
+        async def shutdown(self, sockets=None) -> None:
+            server.begin_shutdown(asyncio.get_running_loop())
+            await super().shutdown(sockets)
+
+    return _Uvicorn(config)
 
 
 def serve(model: Model, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, insecure: bool = False,
-          model_id: str | None = None, log_level: str = "warning", announce=print) -> None:
-    """Serve until interrupted (SIGINT/SIGTERM); cancels what is left in the queue on the way out."""
-    check_bind(host, api_key, insecure)
-    server = Server(model, model_id=model_id, api_key=api_key)
+          model_id: str | None = None, log_level: str = "warning", announce=print, config: ServerConfig | None = None,
+          api_keys=()) -> None:
+    """Serve until SIGINT/SIGTERM; running generations get config.shutdown_timeout to finish."""
+    config = dataclasses.replace(config or ServerConfig(), host=host)
+    check_bind(host, api_key or list(api_keys), insecure)
+    server = Server(model, model_id=model_id, api_key=api_key, api_keys=api_keys, config=config)
+    if config.access_log and not access_log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s edge-spec access: %(message)s"))
+        access_log.addHandler(handler)
+        access_log.setLevel(logging.INFO)
+        access_log.propagate = False
     sock = bind(host, port)
     shown = f"[{host.strip('[]')}]" if ":" in host else host
+    keyed = bool(server._keys)
     announce(f"edge-spec: serving {server.model_id!r} on http://{shown}:{sock.getsockname()[1]}/v1 "
-             f"(queue {model.max_queue}, {'API key required' if api_key else 'no API key'}); Ctrl-C stops")
+             f"(queue {model.max_queue}, {'API key required' if keyed else 'no API key'}); Ctrl-C stops")
     try:
         make_uvicorn(server, log_level).run(sockets=[sock])
     finally:
@@ -716,4 +1206,5 @@ def serve(model: Model, host: str = "127.0.0.1", port: int = 8000, api_key: str 
         sock.close()
 
 
-__all__ = ["ApiError", "Server", "check_bind", "is_loopback", "serve", "bind", "make_uvicorn"]
+__all__ = ["ApiError", "Server", "ServerConfig", "check_api_keys", "check_bind", "is_loopback", "read_api_key_file", "serve",
+           "bind", "make_uvicorn"]

@@ -229,9 +229,11 @@ def test_queue_timeout(llama_bundle):
     next(held)
     try:
         began = time.monotonic()
-        with pytest.raises(QueueTimeoutError):
-            m.generate("the dog", max_tokens=4)
-        assert 0.25 < time.monotonic() - began < 3
+        failures = []  # from another thread: this one holds the engine (a call here would be re-entrant)
+        waiter = threading.Thread(target=lambda: failures.append(pytest.raises(QueueTimeoutError, m.generate, "the dog", max_tokens=4)))
+        waiter.start()
+        waiter.join(timeout=10)
+        assert failures and 0.25 < time.monotonic() - began < 3
         assert m.counters()["queue_timeouts"] == 1 and m.queue_depth == 0
 
         async def wait_async():
@@ -263,3 +265,101 @@ def test_each_drafter_choice_learns_its_own_alpha(llama_bundle):
     engine.generate(ids, GenerateConfig(12, SamplingConfig()))
     engine.use_drafter("model", gamma=2)
     assert engine._controllers(12)["model"] is model_alone
+
+
+# -- hardening: re-entrancy, abandoned streams, token ids, stats of a cancelled queued job -------
+
+def _bounded(scenario, seconds: float = 20.0):
+    """Runs scenario on a worker thread: a hang (what these tests guard against) fails the test
+    after `seconds` instead of blocking the suite."""
+    outcome = []
+
+    def run():
+        try:
+            scenario()
+            outcome.append(None)
+        except BaseException as exc:  # handed to the test thread
+            outcome.append(exc)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(timeout=seconds)
+    assert outcome, f"hung for {seconds} s"
+    if outcome[0] is not None:
+        raise outcome[0]
+
+
+def test_reentrant_generate_inside_a_stream_raises_instead_of_hanging(model):
+    def scenario():
+        stream = model.stream("the cat sat on", max_tokens=8)
+        next(stream)  # this thread now holds the engine
+        with pytest.raises(RuntimeError, match="iterating a stream of this Model"):
+            model.generate("quick brown fox", max_tokens=2)
+        engine_stream = model.engine.stream(model.encode(prompt="quick"), GenerateConfig(2))
+        with pytest.raises(RuntimeError, match="already generating on this thread"):
+            next(engine_stream)
+        assert list(stream)[-1].result.stop_reason in ("length", "eos")
+
+    _bounded(scenario)
+    assert model.generate("quick brown fox", max_tokens=2).stop_reason in ("length", "eos")  # nothing is left stuck
+
+
+def test_engine_reentrant_generate_inside_its_own_stream_raises(model):
+    engine = model.engine
+    ids = model.encode(prompt="the cat sat on")
+
+    def scenario():
+        stream = engine.stream(ids, GenerateConfig(8))
+        next(stream)
+        with pytest.raises(RuntimeError, match="already generating on this thread"):
+            engine.generate(ids, GenerateConfig(2))
+        stream.close()
+
+    _bounded(scenario)
+    assert engine.generate(ids, GenerateConfig(2)).stop_reason in ("length", "eos")
+
+
+def test_an_abandoned_but_referenced_stream_releases_the_engine(llama_bundle):
+    m = Model.load(llama_bundle, engine_config=EngineConfig(provider="cpu", threads=1, drafter="none", calibrate=False),
+                   max_queue=2, stream_idle_timeout=0.5)
+    try:
+        held = m.stream("the cat sat on", max_tokens=8)
+        next(held)  # holds the engine, then is never advanced (but stays referenced)
+        done = []
+        worker = threading.Thread(target=lambda: done.append(m.generate("quick brown fox", max_tokens=4)), daemon=True)
+        began = time.monotonic()
+        worker.start()
+        worker.join(timeout=10)
+        assert done and done[0].stop_reason in ("length", "eos"), "the waiting request never got the engine"
+        assert time.monotonic() - began < 5
+        with pytest.raises(RuntimeError, match="was not advanced for 0.5 s"):
+            next(held)
+    finally:
+        m.close()
+
+
+def test_token_ids_are_checked_against_the_vocabulary(model):
+    vocab = model.vocab_size
+    for bad in ([1, 10**6], [1, -1], [1, vocab]):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            model.engine.generate(bad, GenerateConfig(2))
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            model.generate(prompt_ids=bad, max_tokens=2)
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            model.submit(prompt_ids=bad, max_tokens=2)  # at admission, before it takes a queue slot
+    with pytest.raises(ValueError, match="must be integers"):
+        model.engine.generate([1, 2.5], GenerateConfig(2))
+    assert model.generate(prompt_ids=[1, vocab - 1], max_tokens=2).stop_reason in ("length", "eos")
+
+
+def test_a_job_cancelled_while_queued_has_the_same_stats_keys(model):
+    stream = iter(model.submit("the cat sat on", max_tokens=8))
+    next(stream)
+    queued = model.submit("quick brown fox", max_tokens=4)
+    queued.cancel()
+    result = queued.result()
+    list(stream)
+    full = model.generate("quick brown fox", max_tokens=4)
+    assert result.stop_reason == "cancelled"
+    assert set(result.stats) >= {"alpha", "acceptance_rate", "tokens_per_pass"}
+    assert set(full.stats) - set(result.stats) == set()

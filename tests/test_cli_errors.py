@@ -146,3 +146,106 @@ def test_generate_json_is_greedy_and_matches_api(llama_bundle):
     ids = engine.encode(messages=[{"role": "user", "content": "the cat"}])
     assert out["prompt_ids"] == ids
     assert out["token_ids"] == engine.generate(ids, GenerateConfig(max_new_tokens=8)).token_ids
+
+
+# -- value ranges at parse time, and manifest facts checked against the graphs ----------------------
+
+@pytest.mark.parametrize("args, fragment", [
+    (("serve", "--port", "-1"), "--port: -1 is out of range"),
+    (("serve", "--port", "70000"), "--port: 70000 is out of range"),
+    (("serve", "--gamma", "0"), "--gamma: must be auto or an integer"),
+    (("serve", "--gamma", "-2"), "--gamma: must be auto or an integer"),
+    (("serve", "--max-gamma", "0"), "--max-gamma: 0 is out of range"),
+    (("serve", "--max-gamma", "100000"), "--max-gamma: 100000 is out of range"),
+    (("serve", "--threads", "-1"), "--threads: -1 is out of range"),
+    (("serve", "--queue-timeout", "-5"), "--queue-timeout: -5 is out of range"),
+    (("serve", "--queue-timeout", "nan"), "--queue-timeout: nan is out of range"),
+    (("serve", "--header-timeout", "0"), "--header-timeout: 0 is out of range"),
+    (("serve", "--max-connections", "0"), "--max-connections: 0 is out of range"),
+    (("serve", "--memory-budget", "9" * 400), "--memory-budget"),
+    (("serve", "--api-key", "   "), "API key is empty or blank"),
+    (("serve", "--allowed-origin", "attacker"), "is not an origin"),
+    (("generate", "--prompt", "x", "--top-p", "0"), "--top-p: 0 is out of range"),
+    (("generate", "--prompt", "x", "--max-new-tokens", "0"), "--max-new-tokens: 0 is out of range"),
+    (("chat", "--temperature", "-1"), "--temperature: -1 is out of range"),
+])
+def test_bad_values_fail_before_any_load(llama_bundle, args, fragment):
+    import time
+
+    began = time.monotonic()
+    proc = _run("runtime", args[0], llama_bundle, *args[1:], timeout=60)
+    line = _error_line(proc, only_line=True)
+    assert fragment in line, line
+    assert "provider:" not in proc.stderr  # nothing was loaded
+    assert time.monotonic() - began < 20
+
+
+def test_api_key_file_blank_or_missing(tmp_path, llama_bundle):
+    (tmp_path / "keys").write_text("\n   \n# only comments\n")
+    assert "holds no key" in _error_line(_run("runtime", "serve", llama_bundle, "--api-key-file", tmp_path / "keys"), only_line=True)
+    assert "cannot read --api-key-file" in _error_line(_run("runtime", "serve", llama_bundle, "--api-key-file", tmp_path / "nope"), only_line=True)
+
+
+def test_bench_out_an_existing_file(tmp_path, llama_bundle):
+    (tmp_path / "f").write_text("keep")
+    for out in (tmp_path / "f", tmp_path / "f" / "sub"):
+        assert "exists and is not a folder" in _error_line(_run("runtime", "bench", llama_bundle, "--out", out), only_line=True)
+    assert (tmp_path / "f").read_text() == "keep"
+
+
+def _edited(llama_bundle, tmp_path, edit) -> Path:
+    copy = tmp_path / "edited"
+    shutil.copytree(llama_bundle, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    edit(manifest)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    return copy
+
+
+def _set_arch(fact, value):
+    def edit(manifest):
+        for model in manifest["models"].values():
+            model["arch"][fact] = value
+    return edit
+
+
+@pytest.mark.parametrize("edit, fragment", [
+    (_set_arch("max_context", 128), "manifest says max_context 128 but stage"),
+    (_set_arch("n_kv_heads", 4), "manifest says n_kv_heads 4 but stage"),
+    (_set_arch("kv_dtype", "float16"), "float16"),
+    (_set_arch("vocab_size", "400"), "vocab_size must be an integer"),
+    (_set_arch("max_context", 64.5), "max_context must be an integer"),
+    (lambda m: m["tokenizer"].update(chat_template="{% for m in messages %}{{ m['content'] }"), "chat template does not compile"),
+])
+def test_manifest_facts_that_contradict_the_graphs(llama_bundle, tmp_path, edit, fragment):
+    bundle = _edited(llama_bundle, tmp_path, edit)
+    line = _error_line(_run("runtime", "generate", bundle, "--prompt", "x", "--provider", "cpu", "--max-new-tokens", "2"))
+    assert fragment in line, line
+
+
+def test_export_out_under_a_file(tmp_path, tiny_models):
+    (tmp_path / "f").write_text("keep")
+    proc = _run("export", tiny_models.llama, "--out", tmp_path / "f" / "b", "--quant", "fp32", "--draft", "none", timeout=60)
+    assert "exists and is not a folder" in _error_line(proc)
+    assert (tmp_path / "f").read_text() == "keep"
+
+
+@pytest.mark.real_weights
+def test_real_weights_manifest_max_context_checked_against_the_graphs(tmp_path):
+    from edge_spec.manifest import BundleError
+    from runtime.engine import Engine, EngineConfig
+    from tests import real
+
+    real.need(real.QWEN_TARGET, real.QWEN_DRAFT)
+    source = real.bundle("qwen-pair-int8")
+    copy = tmp_path / "edited"
+    copy.mkdir()
+    for f in source.iterdir():
+        if f.name != "manifest.json":
+            (copy / f.name).symlink_to(f)
+    manifest = json.loads((source / "manifest.json").read_text())
+    for model in manifest["models"].values():
+        model["arch"]["max_context"] *= 2
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="manifest says max_context"):
+        Engine(copy, EngineConfig(provider="cpu", drafter="none", calibrate=False, check_hashes=False))

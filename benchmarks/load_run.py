@@ -1,0 +1,235 @@
+"""python -m benchmarks load_run BUNDLE [--waves 3] [--clients 32] [--slow 10] [--oversized 4] [--out FILE.json]
+
+Starts `python -m runtime serve BUNDLE` on 127.0.0.1 and sends it, per wave and all at once: N
+streaming greedy clients, slow clients (headers at one byte per second, or a body that stalls),
+and oversized (~1 MB) prompts, while /health is polled every 50 ms. Before the waves each
+prompt is sent alone; every streamed answer must equal its solo answer. Reports as JSON: status
+counts and 5xx per wave, /health latency percentiles, answers identical to solo, server RSS after
+each wave (and its spread), and what happened to the slow clients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import queue
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORDS = ("def return import class value list dict for while if else print the a cat dog sat on mat and ran fast slow red "
+         "blue green tree house river stone quick brown fox jumps over lazy bird sings").split()
+
+
+def _prompts(n: int) -> list[str]:
+    return [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(6 + i % 5)) for i in range(n)]
+
+
+def start_server(bundle: str, args: argparse.Namespace) -> tuple[subprocess.Popen, int]:
+    cmd = [sys.executable, "-m", "runtime", "serve", bundle, "--provider", args.provider, "--port", "0",
+           "--max-queue", str(args.max_queue), "--queue-timeout", "600", "--draft", args.draft, "--no-access-log",
+           "--header-timeout", str(args.header_timeout), "--body-timeout", str(args.body_timeout)]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            proc.kill()
+            raise RuntimeError(f"server did not start: {proc.stderr.read()[-2000:]}") from None
+        if "serving" in line:
+            return proc, int(line.split("http://127.0.0.1:")[1].split("/")[0])
+
+
+def _post(port: int, body: dict, timeout: float = 600) -> tuple[int, str]:
+    """(status, streamed text) of one streaming completion."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200 or not body.get("stream"):
+            payload = response.read().decode()
+            if response.status == 200:
+                return 200, json.loads(payload)["choices"][0]["text"]
+            return response.status, payload[:200]
+        text = []
+        for line in response:
+            if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                event = json.loads(line[6:])
+                if event.get("choices"):
+                    text.append(event["choices"][0].get("text") or "")
+        return 200, "".join(text)
+    except OSError as exc:
+        return -1, f"{type(exc).__name__}: {exc}"
+    finally:
+        conn.close()
+
+
+def _slow_client(port: int, kind: str, limit_s: float) -> dict:
+    """Dribbles headers (1 byte/s) or stalls a body; returns how long the server kept the socket."""
+    began = time.monotonic()
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            if kind == "headers":
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            else:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000\r\n\r\n{\"prompt\": ")
+            sock.settimeout(1.0)
+            while time.monotonic() - began < limit_s:
+                try:
+                    if kind == "headers":
+                        sock.sendall(b"X")
+                    if sock.recv(4096) == b"":
+                        break
+                except socket.timeout:
+                    continue
+                except OSError:
+                    break
+            else:
+                return {"kind": kind, "closed_by_server": False, "held_s": round(time.monotonic() - began, 2)}
+    except OSError:
+        pass
+    return {"kind": kind, "closed_by_server": True, "held_s": round(time.monotonic() - began, 2)}
+
+
+def _health_poller(port: int, stop: threading.Event, out: list) -> None:
+    while not stop.is_set():
+        began = time.perf_counter()
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            conn.request("GET", "/health")
+            status = conn.getresponse().status
+            conn.close()
+        except OSError:
+            status = -1
+        out.append((status, (time.perf_counter() - began) * 1e3))
+        stop.wait(0.05)
+
+
+def _rss_mb(pid: int) -> float:
+    import psutil
+
+    return psutil.Process(pid).memory_info().rss / 2**20
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def run(args: argparse.Namespace) -> dict:
+    proc, port = start_server(args.bundle, args)
+    try:
+        prompts = _prompts(args.clients)
+        request = {"max_tokens": args.max_tokens, "temperature": 0}
+        solo = {}
+        for p in prompts:
+            status, text = _post(port, {**request, "prompt": p})
+            if status != 200:
+                raise RuntimeError(f"solo request failed: {status} {text}")
+            solo[p] = text
+        huge = "word " * 200_000  # ~1 MB: far more than any context
+        waves = []
+        for wave in range(args.waves):
+            results: dict[str, list] = {"stream": [], "slow": [], "oversized": []}
+            health: list = []
+            stop = threading.Event()
+            poller = threading.Thread(target=_health_poller, args=(port, stop, health), daemon=True)
+            poller.start()
+            workers = []
+            for p in prompts:
+                workers.append(threading.Thread(target=lambda p=p: results["stream"].append((p, *_post(port, {**request, "prompt": p, "stream": True})))))
+            for i in range(args.slow):
+                kind = "headers" if i % 2 == 0 else "body"
+                workers.append(threading.Thread(target=lambda kind=kind: results["slow"].append(_slow_client(port, kind, args.slow_limit))))
+            for _ in range(args.oversized):
+                workers.append(threading.Thread(target=lambda: results["oversized"].append(_post(port, {"prompt": huge, "max_tokens": 1}, timeout=60))))
+            began = time.monotonic()
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join(timeout=1800)
+            elapsed = time.monotonic() - began
+            stop.set()
+            poller.join(timeout=15)
+            statuses: dict[str, int] = {}
+            for _, status, _ in results["stream"]:
+                statuses[str(status)] = statuses.get(str(status), 0) + 1
+            oversized = [s for s, _ in results["oversized"]]
+            latencies = [ms for status, ms in health if status == 200]
+            waves.append({
+                "wave": wave + 1,
+                "seconds": round(elapsed, 2),
+                "stream_status": statuses,
+                "server_errors_5xx": sum(1 for _, s, _ in results["stream"] if s >= 500) + sum(1 for s in oversized if s >= 500)
+                + sum(1 for s, _ in health if s >= 500),
+                "identical_to_solo": sum(1 for p, s, t in results["stream"] if s == 200 and t == solo[p]),
+                "served": sum(1 for _, s, _ in results["stream"] if s == 200),
+                "oversized_status": oversized,
+                "slow_clients": results["slow"],
+                "health": {"polls": len(health), "failed": sum(1 for s, _ in health if s != 200),
+                           "p50_ms": _percentile(latencies, 0.5), "p99_ms": _percentile(latencies, 0.99),
+                           "max_ms": max(latencies) if latencies else None},
+                "server_rss_mb": round(_rss_mb(proc.pid), 1),
+            })
+            print(json.dumps(waves[-1]), file=sys.stderr, flush=True)
+        rss = [w["server_rss_mb"] for w in waves]
+        summary = {
+            "server_errors_5xx": sum(w["server_errors_5xx"] for w in waves),
+            "all_identical_to_solo": all(w["identical_to_solo"] == w["served"] == args.clients for w in waves),
+            "health_p99_ms_max": max((w["health"]["p99_ms"] or 0) for w in waves),
+            "rss_spread_pct": round(100 * (max(rss) - min(rss)) / statistics.median(rss), 2) if rss else None,
+            "slow_clients_all_closed": all(c["closed_by_server"] for w in waves for c in w["slow_clients"]),
+        }
+        return {"bundle": args.bundle, "settings": {k: v for k, v in vars(args).items() if k != "out"}, "waves": waves,
+                "summary": summary}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks load_run", description=__doc__.splitlines()[0])
+    parser.add_argument("bundle")
+    parser.add_argument("--waves", type=int, default=3)
+    parser.add_argument("--clients", type=int, default=32, help="concurrent streaming clients per wave")
+    parser.add_argument("--slow", type=int, default=10, help="slow clients per wave (half dribble headers, half stall a body)")
+    parser.add_argument("--oversized", type=int, default=4, help="~1 MB prompts per wave")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-queue", type=int, default=64, help="serve --max-queue (all clients are admitted)")
+    parser.add_argument("--header-timeout", type=float, default=10.0)
+    parser.add_argument("--body-timeout", type=float, default=30.0)
+    parser.add_argument("--slow-limit", type=float, default=60.0, help="a slow client gives up after this many seconds")
+    parser.add_argument("--provider", default="cpu")
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--draft", default="auto")
+    parser.add_argument("--out", help="write the report here (JSON)")
+    args = parser.parse_args(argv)
+    for name in ("waves", "clients", "max_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    report = run(args)
+    text = json.dumps(report, indent=2)
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text)
+    s = report["summary"]
+    return 0 if s["server_errors_5xx"] == 0 and s["all_identical_to_solo"] and s["slow_clients_all_closed"] else 1
