@@ -52,21 +52,8 @@ class Served:
 
     def raw(self, method: str, path: str, body=None, key: str | None = KEY, headers: dict | None = None, timeout=30.0):
         """(status, parsed JSON or text) of one plain HTTP request."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        try:
-            data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
-            sent = {"Content-Type": "application/json", **(headers or {})}
-            if key:
-                sent["Authorization"] = f"Bearer {key}"
-            conn.request(method, path, body=data, headers=sent)
-            response = conn.getresponse()
-            text = response.read().decode()
-            try:
-                return response.status, json.loads(text)
-            except ValueError:
-                return response.status, text
-        finally:
-            conn.close()
+        status, _, parsed = request(self.port, method, path, body, headers, key, timeout)
+        return status, parsed
 
     def metric(self, name: str, labels: str = "") -> float:
         status, text = self.raw("GET", "/metrics")
@@ -75,6 +62,26 @@ class Served:
             if line.startswith(f"edge_spec_{name}{labels} "):
                 return float(line.split()[-1])
         raise AssertionError(f"no metric edge_spec_{name}{labels} in /metrics")
+
+
+def request(port, method, path, body=None, headers=None, key=KEY, timeout=10.0):
+    """(status, headers, parsed JSON or text) of one plain HTTP request to 127.0.0.1:port."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+        sent = {"Content-Type": "application/json", **(headers or {})}
+        if key:
+            sent["Authorization"] = f"Bearer {key}"
+        conn.request(method, path, body=data, headers=sent)
+        response = conn.getresponse()
+        text = response.read().decode()
+        try:
+            parsed = json.loads(text)
+        except ValueError:
+            parsed = text
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, parsed
+    finally:
+        conn.close()
 
 
 def _child_env() -> dict:
@@ -125,8 +132,8 @@ def stop_child(proc: subprocess.Popen) -> None:
 
 
 @contextmanager
-def in_thread(model: Model, key: str | None = KEY):
-    server = Server(model, api_key=key)
+def serving(server: Server):
+    """server on 127.0.0.1, any free port, in a thread: yields (port, uvicorn server)."""
     sock = bind("127.0.0.1", 0)
     uv = make_uvicorn(server)
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -135,13 +142,19 @@ def in_thread(model: Model, key: str | None = KEY):
     while not uv.started:
         assert time.monotonic() < deadline and thread.is_alive(), "in-thread server did not start"
         time.sleep(0.02)
-    port = sock.getsockname()[1]
     try:
-        yield Served(f"http://127.0.0.1:{port}/v1", port, server.model_id, model=model)
+        yield sock.getsockname()[1], uv
     finally:
         uv.should_exit = True
-        thread.join(timeout=15)
+        thread.join(timeout=20)
         sock.close()
+
+
+@contextmanager
+def in_thread(model: Model, key: str | None = KEY):
+    server = Server(model, api_key=key)
+    with serving(server) as (port, _):
+        yield Served(f"http://127.0.0.1:{port}/v1", port, server.model_id, model=model)
 
 
 @contextmanager

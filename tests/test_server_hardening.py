@@ -25,49 +25,19 @@ openai = pytest.importorskip("openai")
 
 from runtime.api import Model  # noqa: E402
 from runtime.engine import EngineConfig  # noqa: E402
-from runtime.server import Server, ServerConfig, bind, make_uvicorn  # noqa: E402
+from runtime.server import Server, ServerConfig  # noqa: E402
+from tests.test_server import KEY, request  # noqa: E402
+from tests.test_server import serving as served_in_thread  # noqa: E402
+from tests.test_server import slow_target  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-KEY = "sk-hardening-key"
 
 
 @contextmanager
 def serving(model: Model, config: ServerConfig = ServerConfig(), keys=(KEY,)):
     server = Server(model, api_keys=keys, config=config)
-    sock = bind("127.0.0.1", 0)
-    uv = make_uvicorn(server)
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not uv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.02)
-    try:
-        yield server, sock.getsockname()[1], uv
-    finally:
-        uv.should_exit = True
-        thread.join(timeout=20)
-        sock.close()
-
-
-def request(port, method, path, body=None, headers=None, key=KEY, timeout=10.0):
-    """(status, headers, parsed JSON or text)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
-        sent = {"Content-Type": "application/json", **(headers or {})}
-        if key:
-            sent["Authorization"] = f"Bearer {key}"
-        conn.request(method, path, body=data, headers=sent)
-        response = conn.getresponse()
-        text = response.read().decode()
-        try:
-            parsed = json.loads(text)
-        except ValueError:
-            parsed = text
-        return response.status, {k.lower(): v for k, v in response.getheaders()}, parsed
-    finally:
-        conn.close()
+    with served_in_thread(server) as (port, uv):
+        yield server, port, uv
 
 
 def closed_within(sock: socket.socket, seconds: float) -> tuple[bool, bytes]:
@@ -276,32 +246,29 @@ def test_idle_sockets_are_closed(fast):
         assert got.startswith(b"HTTP/1.1 200") and closed and time.monotonic() - began < 3
 
 
-def test_connections_per_client_are_limited(fast):
-    _, port = fast
-    socks = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(6)]
+def _one_too_many(port: int, allowed: int, status: bytes) -> None:
+    """allowed idle connections stay open; the next one is answered `status` and closed."""
+    socks = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(allowed)]
     try:
         time.sleep(0.2)
         with socket.create_connection(("127.0.0.1", port), timeout=5) as extra:
             closed, got = closed_within(extra, 3)
-            assert closed and got.startswith(b"HTTP/1.1 429")
+            assert closed and got.startswith(b"HTTP/1.1 " + status)
     finally:
         for s in socks:
             s.close()
+
+
+def test_connections_per_client_are_limited(fast):
+    _, port = fast
+    _one_too_many(port, 6, b"429")
     time.sleep(0.3)
     assert request(port, "GET", "/health")[0] == 200  # the slots come back
 
 
 def test_total_connections_are_limited(model):
     with serving(model, ServerConfig(max_connections=3)) as (_, port, _uv):
-        socks = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(3)]
-        try:
-            time.sleep(0.2)
-            with socket.create_connection(("127.0.0.1", port), timeout=5) as extra:
-                closed, got = closed_within(extra, 3)
-                assert closed and got.startswith(b"HTTP/1.1 503")
-        finally:
-            for s in socks:
-                s.close()
+        _one_too_many(port, 3, b"503")
 
 
 # -- keys ---------------------------------------------------------------------------------------------
@@ -339,18 +306,6 @@ def test_wrong_keys_are_throttled_per_client(model):
 
 # -- shutdown -------------------------------------------------------------------------------------------
 
-def _slow_passes(model, seconds):
-    runner = model.engine.target
-    original = runner.forward
-
-    def slow(*args, **kwargs):
-        time.sleep(seconds)
-        return original(*args, **kwargs)
-
-    runner.forward = slow
-    return lambda: delattr(runner, "forward")
-
-
 def _stream_events(port, body, out: list):
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
     conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}).encode(),
@@ -366,9 +321,8 @@ def _stream_events(port, body, out: list):
 @pytest.mark.parametrize("deadline, finish", [(0.6, "abort"), (15.0, "length")])
 def test_shutdown_lets_streams_finish_until_the_deadline(llama_bundle, deadline, finish):
     m = Model.load(llama_bundle, engine_config=EngineConfig(provider="cpu", threads=1, drafter="none", calibrate=False))
-    restore = _slow_passes(m, 0.25)
     try:
-        with serving(m, ServerConfig(shutdown_timeout=deadline)) as (server, port, uv):
+        with slow_target(m, 0.25), serving(m, ServerConfig(shutdown_timeout=deadline)) as (server, port, uv):
             events: list = []
             client = threading.Thread(target=_stream_events, args=(port, {"prompt": "the cat", "max_tokens": 12}, events), daemon=True)
             client.start()
@@ -390,7 +344,6 @@ def test_shutdown_lets_streams_finish_until_the_deadline(llama_bundle, deadline,
             with pytest.raises(OSError):
                 request(port, "GET", "/health", timeout=2)
     finally:
-        restore()
         m.close()
 
 
