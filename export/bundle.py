@@ -14,7 +14,7 @@ from typing import Callable
 
 from edge_spec import manifest as mf
 from edge_spec import names
-from edge_spec.budget import ExportChoice, ModelFacts, choose_export
+from edge_spec.budget import ExportChoice, ModelFacts, choose_export, predict_weights
 from edge_spec.catalog import CATALOG
 from edge_spec.placement import check_bundle
 from edge_spec.profiles import PROFILES, DeviceProfile
@@ -76,6 +76,16 @@ def model_facts(spec: str) -> ModelFacts:
     )
 
 
+def _fp32_bytes(config) -> int:
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    weights = predict_weights(
+        "fp32", config.num_hidden_layers, config.hidden_size, heads, config.num_key_value_heads, head_dim,
+        config.intermediate_size, config.vocab_size, config.vocab_size,
+    )
+    return weights.layers + weights.head + weights.embed
+
+
 def choose_for_budget(config: ExportConfig, budget: int) -> ExportChoice:
     """The export (context, drafts, precision) that fits `budget`, by edge_spec.budget's order."""
     if "onnx" not in config.formats:
@@ -93,13 +103,25 @@ def peak_rss_bytes() -> int:
 
 
 class Progress:
-    """Timestamped steps with the peak memory so far."""
+    """Timestamped steps with the peak memory so far and, once a share of the planned work is
+    done, the time left at the rate so far (work counted in fp32 weight bytes per step)."""
 
     def __init__(self, log: Callable[[str], None]):
         self.log, self.start = log, time.perf_counter()
+        self.total = self.done = 0.0
+
+    def plan(self, total: float) -> None:
+        self.total, self.done = float(total), 0.0
+
+    def advance(self, work: float) -> None:
+        self.done += work
 
     def __call__(self, message: str) -> None:
-        self.log(f"[{time.perf_counter() - self.start:7.1f}s {peak_rss_bytes() / 2**30:5.1f} GiB peak] {message}")
+        elapsed = time.perf_counter() - self.start
+        left = ""
+        if self.total and 0 < self.done < self.total:
+            left = f"; about {elapsed * (self.total - self.done) / self.done:.0f} s left"
+        self.log(f"[{elapsed:7.1f}s {peak_rss_bytes() / 2**30:5.1f} GiB peak] {message}{left}")
 
 
 def _arch_info(model, max_context: int, vocab_rows: int, kv_dtype: str = "float32") -> mf.ArchInfo:
@@ -307,9 +329,13 @@ def _export_into(config: ExportConfig, tmp: Path, layer_skips, model_drafts, pro
             vocab_rows = len(target_tokenizer)
         del target_tokenizer
 
+    # Each role costs about its fp32 size three times over: load, trace, quantize.
+    costs = {"target": _fp32_bytes(target_config), "draft": _fp32_bytes(draft_config) if draft_config is not None else 0}
+    progress.plan(3 * sum(costs.values()))
     # One role at a time: the target is loaded, traced, freed and quantized before the draft loads.
     progress(f"loading {config.model}")
     target = load(config.model)
+    progress.advance(costs["target"])
     arch_for(target.model.config)
     if target.model.lm_head.weight.shape[0] != target_rows:
         raise ExportError(f"{config.model!r}: LM head has {target.model.lm_head.weight.shape[0]} rows, its config says {target_rows}")
@@ -337,14 +363,17 @@ def _export_into(config: ExportConfig, tmp: Path, layer_skips, model_drafts, pro
         models["target"] = mf.ModelInfo(target.source.description, target_arch, config.quant, ("target",))
     with tempfile.TemporaryDirectory(dir=tmp) as scratch:
         traced = {key: _trace_stage(target, key, layers, embed, head, config, tmp, Path(scratch), vocab_rows, progress, packages) for key, layers, embed, head in plan}
+        progress.advance(costs["target"])
         del target  # the torch weights go before quantizing (the caller's cache may still hold them)
         gc.collect()
         progress(f"target written as fp32 graphs; peak memory so far {peak_rss_bytes() / 2**30:.1f} GiB")
         for key, (info, path) in traced.items():
             stages[key] = _quantize_stage(key, info, path, config, tmp, progress)
+        progress.advance(costs["target"])
         if model_drafts:
             progress(f"loading draft {model_drafts[0]}")
             draft = load(model_drafts[0])
+            progress.advance(costs["draft"])
             if draft.model.lm_head.weight.shape[0] != draft_config.vocab_size:
                 raise ExportError(f"draft {model_drafts[0]!r}: LM head has {draft.model.lm_head.weight.shape[0]} rows, its config says {draft_config.vocab_size}")
             draft_layers = draft.model.config.num_hidden_layers
@@ -353,7 +382,9 @@ def _export_into(config: ExportConfig, tmp: Path, layer_skips, model_drafts, pro
             source = draft.source.description
             del draft
             gc.collect()
+            progress.advance(costs["draft"])
             stages["draft"] = _quantize_stage("draft", info, path, config, tmp, progress)
+            progress.advance(costs["draft"])
             models["draft"] = mf.ModelInfo(source, draft_arch, config.quant, ("draft",))
 
     progress("hashing files")

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from edge_spec import names
+
 
 class _GroupQueryAttention(torch.autograd.Function):
     """Traces to com.microsoft GroupQueryAttention; forward computes the same thing in torch.
@@ -290,10 +292,13 @@ class StageModule(nn.Module):
             for window in sorted(set(self.windows)):
                 windowed = bias
                 if window:
-                    # Keys W or more positions behind the query are masked too; past row j holds position j.
-                    key_pos = torch.cat([torch.arange(max_context, dtype=torch.int64), position_ids])  # [MAX+T]
-                    near = (position_ids[:, None] - key_pos[None, :]) < window  # [T,MAX+T]
-                    windowed = torch.where(near, bias, torch.finfo(bias.dtype).min)
+                    # Keys W or more positions behind the query are masked too (past row j holds
+                    # position j), in float arithmetic: the Core ML EP builds no comparison, Max or
+                    # Relu, so relu(x) = (x + sqrt(x * x)) / 2, exact on these whole numbers.
+                    positions = position_ids.float()
+                    key_pos = torch.cat([torch.arange(max_context, dtype=torch.float32), positions])  # [MAX+T]
+                    behind = positions[:, None] - key_pos[None, :] - (window - 1)  # [T,MAX+T]: > 0 outside the window
+                    windowed = bias + (behind + torch.sqrt(behind * behind)) * (0.5 * names.MASKED)
                 windowed = torch.cat([windowed] * group, dim=0)[None, None]  # [1,1,G*T,MAX+T]: Concat, not repeat's Expand
                 biases[window] = (windowed[..., :max_context], windowed[..., max_context:])
             for i, layer in enumerate(self.layers):
