@@ -19,7 +19,7 @@ from edge_spec.catalog import CATALOG
 from edge_spec.placement import check_bundle
 from edge_spec.profiles import PROFILES, DeviceProfile
 from export.archs import arch_for, check_context
-from export.onnx_graphs import export_stage
+from export.onnx_graphs import finish_stage, trace_stage
 from export.quantize import quantize_file, save
 from export.sources import Checkpoint, load_checkpoint, load_config, load_tokenizer
 
@@ -166,11 +166,11 @@ def _trace_stage(
         inputs, outputs = tuple(names.stage_inputs(embed, head, layers, "portable")), tuple(names.stage_outputs(head, layers, "portable"))
         return mf.StageInfo("", (), embed, head, layers.start, layers.stop, inputs, outputs, attention="portable"), None
     progress(f"{key}: tracing {span}{' + embedding' if embed else ''}{' + head' if head else ''}")
-    graph = export_stage(stage, layers, config.max_context, model.config.hidden_size)
     file = f"{key}.onnx"
-    traced = scratch / file
-    save(graph, traced)
-    del graph, stage
+    traced = scratch / key / file  # a folder each: past 2 GB torch writes one file per tensor beside it
+    traced.parent.mkdir()
+    trace_stage(stage, layers, config.max_context, model.config.hidden_size, traced)
+    del stage
     gc.collect()
     info = mf.StageInfo(
         file=file,
@@ -187,13 +187,21 @@ def _trace_stage(
 
 
 def _quantize_stage(key: str, info: mf.StageInfo, traced: Path | None, config: ExportConfig, tmp: Path, progress: Progress) -> mf.StageInfo:
+    """Merge the traced graph's projections and quantize it into the bundle (torch model gone)."""
     if traced is None:
         return info
+    progress(f"{key}: merging parallel projections")
+    graph = finish_stage(traced, list(info.inputs))
+    shutil.rmtree(traced.parent)  # torch's files: the graph is in memory now
+    merged = traced.parent.with_name(key + ".merged") / info.file
+    merged.parent.mkdir()
+    save(graph, merged)
+    del graph
+    gc.collect()
     float16 = config.profile.activations == "float16"
     progress(f"{key}: quantizing to {config.quant}{', float16 activations' if float16 else ''}")
-    quantize_file(traced, tmp / info.file, config.quant, config.profile.activations, config.profile.quantized_embedding)
-    for leftover in (traced, traced.with_name(traced.name + ".data")):
-        leftover.unlink(missing_ok=True)  # the scratch copy is as large as the fp32 model
+    quantize_file(merged, tmp / info.file, config.quant, config.profile.activations, config.profile.quantized_embedding)
+    shutil.rmtree(merged.parent, ignore_errors=True)  # the scratch copy is as large as the fp32 model
     data = info.file + ".data"
     return dataclasses.replace(info, data_files=(data,) if (tmp / data).exists() else ())
 

@@ -114,6 +114,9 @@ GEMMA_PROMPTS = [
 ]
 
 
+GEMMA_LONG_PROMPT = " ".join(f"item {i} is {i * 7 % 13};" for i in range(90))  # 732 tokens
+
+
 def test_gemma3_fp32_matches_transformers_and_speculates_exactly():
     """Gemma 3 270M (a base model: raw prompts only): logits and greedy ids as transformers';
     a prompt longer than its 512-token window; lookup and layer-skip greedy = plain."""
@@ -123,7 +126,7 @@ def test_gemma3_fp32_matches_transformers_and_speculates_exactly():
     engine = Engine(bundle, EngineConfig(drafter="none", calibrate=False))
     assert engine.bundle.manifest.models["target"].arch.layer_windows.count(512) == 15
     eos = sorted(engine.tokenizer.eos_token_ids)
-    long_prompt = " ".join(f"item {i} is {i * 7 % 13};" for i in range(90))
+    long_prompt = GEMMA_LONG_PROMPT
     for prompt in GEMMA_PROMPTS + [long_prompt]:
         ids = engine.encode(prompt=prompt)
         assert ids == tokenizer(prompt).input_ids
@@ -131,10 +134,15 @@ def test_gemma3_fp32_matches_transformers_and_speculates_exactly():
             reference = model(torch.tensor([ids])).logits[0].numpy()  # [T,V]
         engine.target.cache.reset()
         logits = engine.target.forward(ids)
-        assert np.abs(logits - reference).max() < 1e-3, prompt[:30]
         if prompt is long_prompt:
+            # 732 positions: float noise reaches 2.5e-3 (of logits up to 36) at one position
+            # inside the window; past it the error stays small, where a missing window moves logits by ~29.
             assert len(ids) > 600
+            assert np.abs(logits - reference).max() < 5e-3
+            assert np.abs(logits - reference)[512:].max() < 1e-3
+            assert (logits.argmax(-1) == reference.argmax(-1)).all()
             continue
+        assert np.abs(logits - reference).max() < 1e-3, prompt[:30]
         with torch.no_grad():
             hf_out = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
         plain = engine.generate(ids, GenerateConfig(max_new_tokens=24)).token_ids
@@ -149,7 +157,7 @@ def test_gemma3_quantized_top1():
     """int8 and int4 Gemma 3 bundles run; their top-1 agreement with transformers fp32 (README)."""
     real.need(real.GEMMA3)
     int8, int4 = real.bundle("gemma3-int8"), real.bundle("gemma3-int4")
-    rows = _top1_against_transformers([int8, int4], real.GEMMA3, n_humaneval=0, raw_prompts=GEMMA_PROMPTS)
+    rows = _top1_against_transformers([int8, int4], real.GEMMA3, n_humaneval=0, raw_prompts=GEMMA_PROMPTS + [GEMMA_LONG_PROMPT])
     assert rows[int8.name]["top1"] >= 0.9, rows
     assert rows[int4.name]["top1"] >= 0.6, rows
 
