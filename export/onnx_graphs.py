@@ -40,9 +40,38 @@ class _NamedInputs(nn.Module):
         return self.stage(x, position, by_name.get(names.LOGIT_POSITIONS), *past)
 
 
+class _TransposedLinear(nn.Module):
+    """nn.Linear with its weight stored [in, out]: traced, MatMul reads it as is. Tracing a
+    Linear folds Transpose(weight) into a second copy of every matrix while the first is alive."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight_t = nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)  # [in, out]
+        self.bias = linear.bias
+
+    def forward(self, x):
+        y = torch.matmul(x, self.weight_t)
+        return y if self.bias is None else y + self.bias
+
+
+def pretranspose_linears(module: nn.Module) -> None:
+    """Replace, in place and one at a time, every nn.Linear under `module` by a _TransposedLinear
+    (same outputs): the peak is one matrix more, not the model twice."""
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(module, name, _TransposedLinear(child))
+            child.weight = None
+            del child
+        else:
+            pretranspose_linears(child)
+
+
 def trace_stage(stage: StageModule, layers: range, max_context: int, hidden_size: int, path: Path) -> None:
     """Trace one stage into `path` as torch writes it (weights inline, or one file per tensor
-    beside it past 2 GB); finish_stage makes it the stage graph once the torch model is gone."""
+    beside it past 2 GB); finish_stage makes it the stage graph once the torch model is gone.
+    The stage's Linear layers are pre-transposed in place first (the checkpoint's modules: the
+    exporter owns them)."""
+    pretranspose_linears(stage.layers)
     input_names = names.stage_inputs(stage.embed, stage.head, layers, stage.attention)
     output_names = names.stage_outputs(stage.head, layers, stage.attention)
     block = 3  # any T > 1 so the exporter keeps T symbolic
