@@ -196,7 +196,8 @@ def predict_weights(
 
 def kv_bytes(arch: ArchInfo, context: int | None = None) -> int:
     """The role's preallocated KV: layers x (key, value) x [1, KV heads, max context, head dim];
-    with `context`, only the rows that many tokens fill (the OS backs the rest lazily)."""
+    with `context`, only the rows that many tokens fill (the OS backs the rest lazily).
+    Sliding-window layers (arch.layer_windows) are masked over full buffers: they hold as many rows."""
     rows = arch.max_context if context is None else min(context, arch.max_context)
     return arch.n_layers * 2 * arch.n_kv_heads * rows * arch.head_dim * KV_ITEM_BYTES[arch.kv_dtype]
 

@@ -27,6 +27,7 @@ CATALOG = {
             "qwen2.5-coder-0.5b",
         ),
         CatalogEntry("qwen2.5-coder-0.5b", "Qwen/Qwen2.5-Coder-0.5B-Instruct", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", None),
+        CatalogEntry("gemma-3-270m", "google/gemma-3-270m", "gemma-3-270m-q4_k_m.gguf", None),  # base model: raw prompts
         CatalogEntry("smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct.Q4_1.gguf", None),
     )
 }

@@ -42,6 +42,14 @@ class ArchInfo:
     vocab_size: int  # rows of the LM head (may be padded past the tokenizer's real tokens)
     max_context: int
     kv_dtype: str = "float32"
+    # Per layer: the layer attends to keys less than W positions behind the query, 0 = to all;
+    # () = no windowed layer. The graphs mask by window over full-size buffers, so every layer
+    # still holds max_context rows and rollback by length is unchanged.
+    layer_windows: tuple[int, ...] = ()
+
+    @property
+    def windowed(self) -> bool:
+        return any(self.layer_windows)
 
 
 @dataclass(frozen=True)
@@ -202,7 +210,10 @@ def manifest_from_dict(data: dict[str, Any]) -> Manifest:
     models = {}
     for role, raw in _object(data.get("models", {}), "models").items():
         raw = dict(_object(raw, f"model {role!r}"))
-        raw["arch"] = _build(ArchInfo, _object(raw.get("arch", {}), f"model {role!r} arch"), f"model {role!r} arch")
+        arch = dict(_object(raw.get("arch", {}), f"model {role!r} arch"))
+        if "layer_windows" in arch:
+            arch["layer_windows"] = tuple(arch["layer_windows"])
+        raw["arch"] = _build(ArchInfo, arch, f"model {role!r} arch")
         raw["stages"] = tuple(raw.get("stages", ()))
         models[role] = _build(ModelInfo, raw, f"model {role!r}")
     _object(data.get("files", {}), "files")
@@ -237,6 +248,9 @@ def validate(manifest: Manifest, bundle_dir: Path, check_hashes: bool = True) ->
             raise BundleError(f"model {role!r}: unknown quantization {model.quant!r} (known: {QUANTS})")
         if model.arch.kv_dtype not in KV_DTYPES:
             raise BundleError(f"model {role!r}: unknown KV dtype {model.arch.kv_dtype!r}")
+        windows = model.arch.layer_windows
+        if windows and (len(windows) != model.arch.n_layers or any(not isinstance(w, int) or w < 0 for w in windows)):
+            raise BundleError(f"model {role!r}: layer_windows must list a window >= 0 for each of its {model.arch.n_layers} layers")
         if model.arch.kv_dtype != profile.kv_dtype:
             raise BundleError(f"model {role!r} keeps a {model.arch.kv_dtype} KV cache; --device {manifest.device} bundles keep {profile.kv_dtype}")
         if model.arch.vocab_size < manifest.tokenizer.n_real_tokens:

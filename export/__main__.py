@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from export.archs import UnsupportedArchitecture
-    from export.bundle import FORMATS, ExportConfig, ExportError, default_drafts, export_bundle
+    from export.bundle import FORMATS, ExportConfig, ExportError, default_drafts, export_bundle, peak_rss_bytes
     from export.sources import SourceError
 
     drafts = tuple(args.draft) if args.draft else default_drafts(args.model)
@@ -112,19 +112,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     seconds = time.perf_counter() - began
+    peak = peak_rss_bytes()
     sizes = {f: (out / f).stat().st_size for f in manifest.files}
     if args.json:
         roles = {role: {"layers": m.arch.n_layers, "stages": list(m.stages), "source": m.source} for role, m in manifest.models.items()}
         summary = {
             "bundle": str(out), "device": config.device, "quant": config.quant, "attention": config.attention,
             "max_context": config.max_context, "roles": roles, "bytes": sizes, "seconds": seconds,
+            "peak_rss_bytes": peak,
         }
         if choice is not None:
             summary["memory"] = {"changes": list(choice.changes), "plan": choice.plan.to_dict()}
         print(json.dumps(summary))
         return 0
     roles = ", ".join(f"{role} ({m.arch.n_layers} layers)" for role, m in manifest.models.items())
-    print(f"{out}: {roles}; --device {config.device}; {config.quant}; {sum(sizes.values()) / 2**20:.0f} MiB; max context {config.max_context}; {seconds:.0f} s")
+    print(f"{out}: {roles}; --device {config.device}; {config.quant}; {sum(sizes.values()) / 2**20:.0f} MiB; max context {config.max_context}; {seconds:.0f} s; peak memory {peak / 2**30:.1f} GiB")
     return 0
 
 

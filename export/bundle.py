@@ -14,14 +14,14 @@ from typing import Callable
 
 from edge_spec import manifest as mf
 from edge_spec import names
-from edge_spec.budget import ExportChoice, ModelFacts, choose_export
+from edge_spec.budget import ExportChoice, ModelFacts, choose_export, predict_weights
 from edge_spec.catalog import CATALOG
 from edge_spec.placement import check_bundle
 from edge_spec.profiles import PROFILES, DeviceProfile
-from export.archs import arch_for
-from export.onnx_graphs import export_stage
+from export.archs import arch_for, check_context
+from export.onnx_graphs import finish_stage, trace_stage
 from export.quantize import quantize_file, save
-from export.sources import Checkpoint, load_checkpoint, load_config
+from export.sources import Checkpoint, load_checkpoint, load_config, load_tokenizer
 
 LAYER_SKIP_PREFIX = "layer-skip:"
 FORMATS = ("onnx", "coreml")  # ONNX stage graphs; Core ML packages for the Apple Neural Engine
@@ -76,6 +76,16 @@ def model_facts(spec: str) -> ModelFacts:
     )
 
 
+def _fp32_bytes(config) -> int:
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    weights = predict_weights(
+        "fp32", config.num_hidden_layers, config.hidden_size, heads, config.num_key_value_heads, head_dim,
+        config.intermediate_size, config.vocab_size, config.vocab_size,
+    )
+    return weights.layers + weights.head + weights.embed
+
+
 def choose_for_budget(config: ExportConfig, budget: int) -> ExportChoice:
     """The export (context, drafts, precision) that fits `budget`, by edge_spec.budget's order."""
     if "onnx" not in config.formats:
@@ -84,17 +94,40 @@ def choose_for_budget(config: ExportConfig, budget: int) -> ExportChoice:
     return choose_export(facts[config.model], config.quant, config.max_context, config.drafts, facts, budget, str(config.out), config.attention, config.device)
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (Linux and macOS report it in different units)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
 class Progress:
+    """Timestamped steps with the peak memory so far and, once a share of the planned work is
+    done, the time left at the rate so far (work counted in fp32 weight bytes per step)."""
+
     def __init__(self, log: Callable[[str], None]):
         self.log, self.start = log, time.perf_counter()
+        self.total = self.done = 0.0
+
+    def plan(self, total: float) -> None:
+        self.total, self.done = float(total), 0.0
+
+    def advance(self, work: float) -> None:
+        self.done += work
 
     def __call__(self, message: str) -> None:
-        self.log(f"[{time.perf_counter() - self.start:7.1f}s] {message}")
+        elapsed = time.perf_counter() - self.start
+        left = ""
+        if self.total and 0 < self.done < self.total:
+            left = f"; about {elapsed * (self.total - self.done) / self.done:.0f} s left"
+        self.log(f"[{elapsed:7.1f}s {peak_rss_bytes() / 2**30:5.1f} GiB peak] {message}{left}")
 
 
 def _arch_info(model, max_context: int, vocab_rows: int, kv_dtype: str = "float32") -> mf.ArchInfo:
     config = model.config
     n_heads = config.num_attention_heads
+    windows = tuple(arch_for(config).windows(config))
     return mf.ArchInfo(
         model_type=config.model_type,
         n_layers=config.num_hidden_layers,
@@ -105,13 +138,17 @@ def _arch_info(model, max_context: int, vocab_rows: int, kv_dtype: str = "float3
         vocab_size=vocab_rows,
         max_context=max_context,
         kv_dtype=kv_dtype,
+        layer_windows=windows if any(windows) else (),
     )
 
 
-def _write_stage(
-    checkpoint: Checkpoint, key: str, layers: range, embed: bool, head: bool, config: ExportConfig, tmp: Path, vocab_rows: int, progress: Progress,
-    packages: dict[str, mf.CoreMLPackageInfo],
-) -> mf.StageInfo:
+def _trace_stage(
+    checkpoint: Checkpoint, key: str, layers: range, embed: bool, head: bool, config: ExportConfig, tmp: Path, scratch: Path, vocab_rows: int,
+    progress: Progress, packages: dict[str, mf.CoreMLPackageInfo],
+) -> tuple[mf.StageInfo, Path | None]:
+    """Trace one stage to an fp32 graph in `scratch` (weights as external data); returns its
+    manifest entry and the traced file, which _quantize_stage turns into the bundle's file once
+    the torch model is gone."""
     from export.static_cache import StageModule
 
     model = checkpoint.model
@@ -127,22 +164,17 @@ def _write_stage(
         # No ONNX graph (file ""): the entry still describes the stage; its Core ML package runs it
         # and, like a portable graph, returns the block's new KV rows.
         inputs, outputs = tuple(names.stage_inputs(embed, head, layers, "portable")), tuple(names.stage_outputs(head, layers, "portable"))
-        return mf.StageInfo("", (), embed, head, layers.start, layers.stop, inputs, outputs, attention="portable")
+        return mf.StageInfo("", (), embed, head, layers.start, layers.stop, inputs, outputs, attention="portable"), None
     progress(f"{key}: tracing {span}{' + embedding' if embed else ''}{' + head' if head else ''}")
-    graph = export_stage(stage, layers, config.max_context, model.config.hidden_size)
     file = f"{key}.onnx"
-    with tempfile.TemporaryDirectory(dir=tmp) as scratch:
-        traced = Path(scratch) / file
-        save(graph, traced)
-        del graph, stage
-        gc.collect()
-        progress(f"{key}: quantizing to {config.quant}{', float16 activations' if float16 else ''}")
-        quantize_file(traced, tmp / file, config.quant, config.profile.activations, config.profile.quantized_embedding)
-    data = file + ".data"
-    data_files = (data,) if (tmp / data).exists() else ()
-    return mf.StageInfo(
+    traced = scratch / key / file  # a folder each: past 2 GB torch writes one file per tensor beside it
+    traced.parent.mkdir()
+    trace_stage(stage, layers, config.max_context, model.config.hidden_size, traced)
+    del stage
+    gc.collect()
+    info = mf.StageInfo(
         file=file,
-        data_files=data_files,
+        data_files=(),
         embed=embed,
         head=head,
         layer_start=layers.start,
@@ -151,6 +183,27 @@ def _write_stage(
         outputs=tuple(names.stage_outputs(head, layers, config.attention)),
         attention=config.attention,
     )
+    return info, traced
+
+
+def _quantize_stage(key: str, info: mf.StageInfo, traced: Path | None, config: ExportConfig, tmp: Path, progress: Progress) -> mf.StageInfo:
+    """Merge the traced graph's projections and quantize it into the bundle (torch model gone)."""
+    if traced is None:
+        return info
+    progress(f"{key}: merging parallel projections")
+    graph = finish_stage(traced, list(info.inputs))
+    shutil.rmtree(traced.parent)  # torch's files: the graph is in memory now
+    merged = traced.parent.with_name(key + ".merged") / info.file
+    merged.parent.mkdir()
+    save(graph, merged)
+    del graph
+    gc.collect()
+    float16 = config.profile.activations == "float16"
+    progress(f"{key}: quantizing to {config.quant}{', float16 activations' if float16 else ''}")
+    quantize_file(merged, tmp / info.file, config.quant, config.profile.activations, config.profile.quantized_embedding)
+    shutil.rmtree(merged.parent, ignore_errors=True)  # the scratch copy is as large as the fp32 model
+    data = info.file + ".data"
+    return dataclasses.replace(info, data_files=(data,) if (tmp / data).exists() else ())
 
 
 def _vocab_difference(target_tok, draft_tok) -> str | None:
@@ -255,62 +308,92 @@ def export_bundle(config: ExportConfig, log: Callable[[str], None] = _log_stderr
 
 
 def _export_into(config: ExportConfig, tmp: Path, layer_skips, model_drafts, progress: Progress, load) -> mf.Manifest:
-    progress(f"loading {config.model}")
-    target = load(config.model)
-    arch_for(target.model.config)
-    n_layers = target.model.config.num_hidden_layers
-    target_rows = target.model.lm_head.weight.shape[0]
-    n_real = len(target.tokenizer)
-    tokenizer = _tokenizer_info(target, tmp)
-
-    draft = None
+    # Everything refusable is refused from configs and tokenizers, before any weights load.
+    _, target_config = load_config(config.model)
+    check_context(target_config, config.max_context)
+    draft_config = None
     if model_drafts:
-        progress(f"loading draft {model_drafts[0]}")
-        draft = load(model_drafts[0])
-        difference = _vocab_difference(target.tokenizer, draft.tokenizer)
+        _, draft_config = load_config(model_drafts[0])
+        check_context(draft_config, config.max_context)
+    n_layers = target_config.num_hidden_layers
+    split = None
+    if layer_skips:
+        spec = layer_skips[0][len(LAYER_SKIP_PREFIX) :]
+        if not spec.isdigit() or not 0 < int(spec) < n_layers:
+            raise ExportError(f"{layer_skips[0]!r}: N must be a layer count between 1 and {n_layers - 1}")
+        split = int(spec)
+
+    vocab_rows = target_rows = target_config.vocab_size
+    if model_drafts:
+        target_tokenizer = load_tokenizer(config.model)
+        difference = _vocab_difference(target_tokenizer, load_tokenizer(model_drafts[0]))
         if difference:
             raise ExportError(f"draft {model_drafts[0]!r} does not share the target's tokenizer: {difference}")
-    vocab_rows = target_rows
-    if draft is not None and draft.model.lm_head.weight.shape[0] != target_rows:
-        # Same real tokens, differently padded heads: score only the real tokens in both.
-        if min(target_rows, draft.model.lm_head.weight.shape[0]) < n_real:
-            raise ExportError("the draft's LM head is smaller than the shared tokenizer")
-        vocab_rows = n_real
+        draft_rows = draft_config.vocab_size
+        if draft_rows != target_rows:
+            # Same real tokens, differently padded heads: score only the real tokens in both.
+            if min(target_rows, draft_rows) < len(target_tokenizer):
+                raise ExportError("the draft's LM head is smaller than the shared tokenizer")
+            vocab_rows = len(target_tokenizer)
+        del target_tokenizer
+
+    # Each role costs about its fp32 size three times over: load, trace, quantize.
+    costs = {"target": _fp32_bytes(target_config), "draft": _fp32_bytes(draft_config) if draft_config is not None else 0}
+    progress.plan(3 * sum(costs.values()))
+    # One role at a time: the target is loaded, traced, freed and quantized before the draft loads.
+    progress(f"loading {config.model}")
+    target = load(config.model)
+    progress.advance(costs["target"])
+    arch_for(target.model.config)
+    if target.model.lm_head.weight.shape[0] != target_rows:
+        raise ExportError(f"{config.model!r}: LM head has {target.model.lm_head.weight.shape[0]} rows, its config says {target_rows}")
+    tokenizer = _tokenizer_info(target, tmp)
 
     stages: dict[str, mf.StageInfo] = {}
     models: dict[str, mf.ModelInfo] = {}
     packages: dict[str, mf.CoreMLPackageInfo] = {}
     kv_dtype = config.profile.kv_dtype
     target_arch = _arch_info(target.model, config.max_context, vocab_rows, kv_dtype)
-    if layer_skips:
-        spec = layer_skips[0][len(LAYER_SKIP_PREFIX) :]
-        if not spec.isdigit() or not 0 < int(spec) < n_layers:
-            raise ExportError(f"{layer_skips[0]!r}: N must be a layer count between 1 and {n_layers - 1}")
-        split = int(spec)
+    if split is not None:
         # The target runs trunk → rest → head; the layer-skip draft runs trunk → head, so every
         # weight is stored once and the draft writes the trunk's KV rows into the target's cache.
         plan = [("target.trunk", range(0, split), True, False), ("target.rest", range(split, n_layers), False, False), ("target.head", range(0, 0), False, True)]
-        for key, layers, embed, head in plan:
-            stages[key] = _write_stage(target, key, layers, embed, head, config, tmp, vocab_rows, progress, packages)
         models["target"] = mf.ModelInfo(target.source.description, target_arch, config.quant, tuple(k for k, *_ in plan))
         models["layer_skip"] = mf.ModelInfo(
             f"layer skip: first {split} of {n_layers} layers of the target",
-            dataclasses.replace(target_arch, n_layers=split),
+            dataclasses.replace(target_arch, n_layers=split, layer_windows=target_arch.layer_windows[:split]),
             config.quant,
             ("target.trunk", "target.head"),
             shares_kv_with="target",
         )
     else:
-        stages["target"] = _write_stage(target, "target", range(n_layers), True, True, config, tmp, vocab_rows, progress, packages)
+        plan = [("target", range(n_layers), True, True)]
         models["target"] = mf.ModelInfo(target.source.description, target_arch, config.quant, ("target",))
-    del target
-    gc.collect()
-    if draft is not None:
-        draft_layers = draft.model.config.num_hidden_layers
-        stages["draft"] = _write_stage(draft, "draft", range(draft_layers), True, True, config, tmp, vocab_rows, progress, packages)
-        models["draft"] = mf.ModelInfo(draft.source.description, _arch_info(draft.model, config.max_context, vocab_rows, kv_dtype), config.quant, ("draft",))
-        del draft
+    with tempfile.TemporaryDirectory(dir=tmp) as scratch:
+        traced = {key: _trace_stage(target, key, layers, embed, head, config, tmp, Path(scratch), vocab_rows, progress, packages) for key, layers, embed, head in plan}
+        progress.advance(costs["target"])
+        del target  # the torch weights go before quantizing (the caller's cache may still hold them)
         gc.collect()
+        progress(f"target written as fp32 graphs; peak memory so far {peak_rss_bytes() / 2**30:.1f} GiB")
+        for key, (info, path) in traced.items():
+            stages[key] = _quantize_stage(key, info, path, config, tmp, progress)
+        progress.advance(costs["target"])
+        if model_drafts:
+            progress(f"loading draft {model_drafts[0]}")
+            draft = load(model_drafts[0])
+            progress.advance(costs["draft"])
+            if draft.model.lm_head.weight.shape[0] != draft_config.vocab_size:
+                raise ExportError(f"draft {model_drafts[0]!r}: LM head has {draft.model.lm_head.weight.shape[0]} rows, its config says {draft_config.vocab_size}")
+            draft_layers = draft.model.config.num_hidden_layers
+            draft_arch = _arch_info(draft.model, config.max_context, vocab_rows, kv_dtype)
+            info, path = _trace_stage(draft, "draft", range(draft_layers), True, True, config, tmp, Path(scratch), vocab_rows, progress, packages)
+            source = draft.source.description
+            del draft
+            gc.collect()
+            progress.advance(costs["draft"])
+            stages["draft"] = _quantize_stage("draft", info, path, config, tmp, progress)
+            progress.advance(costs["draft"])
+            models["draft"] = mf.ModelInfo(source, draft_arch, config.quant, ("draft",))
 
     progress("hashing files")
     files = {p.name: mf.sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}

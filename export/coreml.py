@@ -103,27 +103,30 @@ class StatefulStage(nn.Module):
             self.register_buffer(mf.coreml_state("value", layer), torch.zeros(shape, dtype=state_dtype))
         if self.layer_ids:
             # Rotary tables per position, computed in float32: fp16 angles of positions in the
-            # thousands would be off by radians. Rows are gathered at kv_len..kv_len+T.
+            # thousands would be off by radians. Rows are gathered at kv_len..kv_len+T. One pair
+            # per rotary kind of the stage (Gemma 3: local and global).
             positions = torch.arange(state_length, dtype=torch.float32)
-            freqs = positions[:, None] * stage.inv_freq[None, :]  # [S,D/2]
-            emb = torch.cat((freqs, freqs), dim=-1)  # [S,D]
-            self.register_buffer(ROPE_TABLES[0], emb.cos() * stage.rope_scaling, persistent=False)
-            self.register_buffer(ROPE_TABLES[1], emb.sin() * stage.rope_scaling, persistent=False)
+            for index in range(len(stage.rope_kinds)):
+                freqs = positions[:, None] * stage.rope_table(index, "inv_freq")[None, :]  # [S,D/2]
+                emb = torch.cat((freqs, freqs), dim=-1)  # [S,D]
+                suffix = "" if index == 0 else f"_{index}"
+                self.register_buffer(ROPE_TABLES[0] + suffix, emb.cos() * stage.rope_scaling[index], persistent=False)
+                self.register_buffer(ROPE_TABLES[1] + suffix, emb.sin() * stage.rope_scaling[index], persistent=False)
 
     def reset_states(self) -> None:
         for layer in self.layer_ids:
             getattr(self, mf.coreml_state("key", layer)).zero_()
             getattr(self, mf.coreml_state("value", layer)).zero_()
 
-    @staticmethod
-    def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def _rms_norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
         # Same value as StageModule._rms_norm, computed on x / max|x|: squares of residual
         # activations in the hundreds overflow fp16 (SmolLM2's reach 25000), scaled ones stay
         # below 1. Where scale² overflows, eps / scale² is 0, as it nearly is in fp32.
+        weight, eps = self.stage.norm_params(norm)
         scale = x.abs().amax(-1, keepdim=True).clamp(min=1.0)  # [1,T,1]
         xs = x / scale
         variance = xs.pow(2).mean(-1, keepdim=True)
-        return norm.weight * (xs * torch.rsqrt(variance + norm.variance_epsilon / (scale * scale)))
+        return weight * (xs * torch.rsqrt(variance + eps / (scale * scale)))
 
     def _rotate_half(self, x: torch.Tensor) -> torch.Tensor:
         # StageModule's, with the half width a Python constant: a width read off the traced
@@ -137,9 +140,10 @@ class StatefulStage(nn.Module):
         block = x.shape[1]
         # Reshapes name T as -1, never as a value read off the traced shape: symbolic reshape
         # targets cost the converter minutes of shape solving on a real model.
-        q = attn.q_proj(x).view(1, -1, stage.n_heads, stage.head_dim).transpose(1, 2)  # [1,H,T,D]
-        k = attn.k_proj(x).view(1, -1, stage.n_kv_heads, stage.head_dim).transpose(1, 2)  # [1,KVH,T,D]
-        v = attn.v_proj(x).view(1, -1, stage.n_kv_heads, stage.head_dim).transpose(1, 2)  # [1,KVH,T,D]
+        q, k, v = stage.project(layer, x, self._rms_norm)
+        q = q.view(1, -1, stage.n_heads, stage.head_dim).transpose(1, 2)  # [1,H,T,D]
+        k = k.view(1, -1, stage.n_kv_heads, stage.head_dim).transpose(1, 2)  # [1,KVH,T,D]
+        v = v.view(1, -1, stage.n_kv_heads, stage.head_dim).transpose(1, 2)  # [1,KVH,T,D]
         q = q * cos + self._rotate_half(q) * sin
         k = k * cos + self._rotate_half(k) * sin
         key_state = getattr(self, mf.coreml_state("key", layer_id))  # [1,KVH,S,D]
@@ -165,19 +169,28 @@ class StatefulStage(nn.Module):
         if self.layer_ids:
             start = kv_len[0]
             rows = kv_len + torch.arange(block, dtype=kv_len.dtype)  # [T] absolute positions
-            cos = torch.index_select(self.cos_table, 0, rows).to(h.dtype)[None, None]  # [1,1,T,D]
-            sin = torch.index_select(self.sin_table, 0, rows).to(h.dtype)[None, None]
+            tables = []
+            for index in range(len(stage.rope_kinds)):
+                suffix = "" if index == 0 else f"_{index}"
+                cos = torch.index_select(getattr(self, ROPE_TABLES[0] + suffix), 0, rows).to(h.dtype)[None, None]  # [1,1,T,D]
+                sin = torch.index_select(getattr(self, ROPE_TABLES[1] + suffix), 0, rows).to(h.dtype)[None, None]
+                tables.append((cos, sin))
             group = stage.n_heads // stage.n_kv_heads
             columns = torch.arange(self.state_length, dtype=kv_len.dtype)  # [S]
-            # Row g*T+t of the folded queries is block row t: it sees state rows <= kv_len+t.
-            mask = (columns[None, :] <= rows.repeat(group)[:, None])[None, None]  # [1,1,G*T,S]
-            for layer_id, layer in zip(self.layer_ids, stage.layers):
-                attn_out, k, v = self._attention(layer_id, layer, self._rms_norm(layer.input_layernorm, h), cos, sin, start, mask)
-                h = h + attn_out
-                h = h + layer.mlp(self._rms_norm(layer.post_attention_layernorm, h))
+            # Row g*T+t of the folded queries is block row t: it sees state rows <= kv_len+t,
+            # and on a windowed layer only those less than W positions behind it.
+            query_rows = rows.repeat(group)[:, None]  # [G*T,1]
+            masks = {0: (columns[None, :] <= query_rows)[None, None]}  # [1,1,G*T,S]
+            for window in sorted(set(stage.windows) - {0}):
+                masks[window] = masks[0] & ((query_rows - columns[None, :]) < window)[None, None]
+            for index, (layer_id, layer) in enumerate(zip(self.layer_ids, stage.layers)):
+                cos, sin = tables[stage.layer_rope[index]]
+                mask = masks[stage.windows[index]]
+                attend = lambda y, layer_id=layer_id, layer=layer, cos=cos, sin=sin, mask=mask: self._attention(layer_id, layer, y, cos, sin, start, mask)
+                h, k, v = stage.layer_block(layer, h, attend, self._rms_norm)
                 new_kv += [k, v]
         if stage.head:
-            h = torch.matmul(self._rms_norm(stage.norm, h), stage.lm_head_t.to(h.dtype))  # [1,T,vocab]
+            h = stage.logits(h, self._rms_norm)  # [1,T,vocab]
         return (h, *new_kv)
 
 
@@ -234,7 +247,7 @@ def compress(model, quant: str):
     else:
         return model
     # The rotary tables stay fp16: a sine quantized to 4 bits is off by a tenth.
-    keep = {name: None for name in _const_names(model) if name.startswith(ROPE_TABLES)}
+    keep = {name: None for name in _const_names(model) if name.startswith(ROPE_TABLES)}  # every kind's tables
     with _quiet():
         return cto.linear_quantize_weights(model, config=cto.OptimizationConfig(global_config=op, op_name_configs=keep))
 

@@ -40,9 +40,38 @@ class _NamedInputs(nn.Module):
         return self.stage(x, position, by_name.get(names.LOGIT_POSITIONS), *past)
 
 
-def export_stage(stage: StageModule, layers: range, max_context: int, hidden_size: int) -> onnx.ModelProto:
-    """Trace one stage and return the ONNX model (weights inline, possibly > 2 GB: save with
-    external data)."""
+class _TransposedLinear(nn.Module):
+    """nn.Linear with its weight stored [in, out]: traced, MatMul reads it as is. Tracing a
+    Linear folds Transpose(weight) into a second copy of every matrix while the first is alive."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight_t = nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)  # [in, out]
+        self.bias = linear.bias
+
+    def forward(self, x):
+        y = torch.matmul(x, self.weight_t)
+        return y if self.bias is None else y + self.bias
+
+
+def pretranspose_linears(module: nn.Module) -> None:
+    """Replace, in place and one at a time, every nn.Linear under `module` by a _TransposedLinear
+    (same outputs): the peak is one matrix more, not the model twice."""
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(module, name, _TransposedLinear(child))
+            child.weight = None
+            del child
+        else:
+            pretranspose_linears(child)
+
+
+def trace_stage(stage: StageModule, layers: range, max_context: int, hidden_size: int, path: Path) -> None:
+    """Trace one stage into `path` as torch writes it (weights inline, or one file per tensor
+    beside it past 2 GB); finish_stage makes it the stage graph once the torch model is gone.
+    The stage's Linear layers are pre-transposed in place first (the checkpoint's modules: the
+    exporter owns them)."""
+    pretranspose_linears(stage.layers)
     input_names = names.stage_inputs(stage.embed, stage.head, layers, stage.attention)
     output_names = names.stage_outputs(stage.head, layers, stage.attention)
     block = 3  # any T > 1 so the exporter keeps T symbolic
@@ -67,9 +96,8 @@ def export_stage(stage: StageModule, layers: range, max_context: int, hidden_siz
     dynamic_axes.update({names.HIDDEN_OUT: {1: "T"}})
     dynamic_axes.update({n: {2: "T"} for n in output_names if n.startswith("new_")})
     dynamic_axes = {k: v for k, v in dynamic_axes.items() if k in input_names or k in output_names}
-    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        path = Path(tmp) / "stage.onnx"
         with torch.no_grad():
             torch.onnx.export(
                 _NamedInputs(stage, input_names).eval(),
@@ -83,12 +111,25 @@ def export_stage(stage: StageModule, layers: range, max_context: int, hidden_siz
                 dynamo=False,
                 custom_opsets={"com.microsoft": 1},
             )
-        model = onnx.load(str(path), load_external_data=True)
+
+
+def finish_stage(path: Path, input_names: list[str]) -> onnx.ModelProto:
+    """The traced file at `path` as a stage graph: inputs checked against the contract, parallel
+    projections merged (weights inline, possibly > 2 GB: save with external data)."""
+    model = onnx.load(str(path), load_external_data=True)
     got_inputs = [i.name for i in model.graph.input]
     if got_inputs != input_names:
         raise RuntimeError(f"exported graph inputs {got_inputs} differ from the contract {input_names}")
     merge_parallel_matmuls(model)
     return model
+
+
+def export_stage(stage: StageModule, layers: range, max_context: int, hidden_size: int) -> onnx.ModelProto:
+    """Trace and finish one stage in one go (the torch model and the graph both in memory)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "stage.onnx"
+        trace_stage(stage, layers, max_context, hidden_size, path)
+        return finish_stage(path, names.stage_inputs(stage.embed, stage.head, layers, stage.attention))
 
 
 def merge_parallel_matmuls(model: onnx.ModelProto) -> int:
@@ -125,6 +166,9 @@ def merge_parallel_matmuls(model: onnx.ModelProto) -> int:
         stem = nodes[0].output[0] + ".merged"
         merged = numpy_helper.from_array(np.concatenate(arrays, axis=1), stem + ".weight")  # [K, sum N_i]
         sizes = numpy_helper.from_array(np.array([a.shape[1] for a in arrays], dtype=np.int64), stem + ".sizes")
+        del arrays
+        for n in nodes:  # the sources' bytes go now, not after the last group: one copy at a time
+            weights[n.input[1]].ClearField("raw_data")
         graph.initializer.extend([merged, sizes])
         replaced[members[0]] = [
             helper.make_node("MatMul", [x, merged.name], [stem], name=stem),

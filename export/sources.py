@@ -94,3 +94,11 @@ def load_checkpoint(spec: str) -> Checkpoint:
     model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32, **source.kwargs).eval()
     tokenizer = AutoTokenizer.from_pretrained(source.path, **source.kwargs)
     return Checkpoint(source, model, tokenizer)
+
+
+def load_tokenizer(spec: str):
+    """The tokenizer alone (no weights): enough to compare a draft's vocabulary with the target's."""
+    source, _ = load_config(spec)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source.path, **source.kwargs)

@@ -9,7 +9,10 @@ Two attention kinds (edge_spec.names.ATTENTION_KINDS), never copying the cache:
   returning only the block's new rows for the runtime to copy in;
 - masked: the same with the positions and the mask as inputs from the runtime and constant
   shapes only (the Core ML EP's ops).
-The module is traced in float32; a float16 device profile (edge_spec.profiles) converts the graph
+What differs between families (norms, q/k norm, fused projections, rotary tables per layer,
+sliding windows, attention scale, logit soft-cap) comes from the model's export.archs spec.
+Windowed layers mask keys older than W positions over the full-size buffer, so rollback by
+length is unchanged. The module is traced in float32; a float16 device profile (edge_spec.profiles) converts the graph
 afterwards and asks here for RMS norms as one SimplifiedLayerNormalization node, which
 accumulates in float32: squaring a float16 residual overflows (Qwen2.5's reaches 4.4e3, its
 square 1.9e7, past float16's 6.5e4; BENCHMARKS.md).
@@ -20,17 +23,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from edge_spec import names
+
 
 class _GroupQueryAttention(torch.autograd.Function):
     """Traces to com.microsoft GroupQueryAttention; forward computes the same thing in torch.
 
     q [1,T,H*D], k/v [1,T,KVH*D] before rotary; past [1,KVH,MAX,D]; seqlens_k int32 [1] =
-    kv_len+T-1; total_len int32 scalar = kv_len+T; cos/sin [MAX,D/2]. Returns the attention
-    output [1,T,H*D] and the past buffers with rows kv_len..kv_len+T-1 replaced (present).
+    kv_len+T-1; total_len int32 scalar = kv_len+T; cos/sin [MAX,D/2]; window W > 0 keeps the
+    last W positions (the node's local_window_size is W: matched against transformers in tests).
+    Returns the attention output [1,T,H*D] and the past buffers with rows kv_len..kv_len+T-1
+    replaced (present).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, past_key, past_value, seqlens_k, total_len, cos_cache, sin_cache, n_heads, n_kv_heads, scale):
+    def forward(ctx, q, k, v, past_key, past_value, seqlens_k, total_len, cos_cache, sin_cache, n_heads, n_kv_heads, scale, window):
         block = q.shape[1]
         head_dim = past_key.shape[-1]
         kv_len = int(total_len) - block
@@ -48,17 +55,22 @@ class _GroupQueryAttention(torch.autograd.Function):
         keys = present_key[:, :, : kv_len + block].repeat_interleave(group, dim=1)  # [1,H,L,D]
         values = present_value[:, :, : kv_len + block].repeat_interleave(group, dim=1)
         scores = torch.matmul(q, keys.transpose(2, 3)) * scale  # [1,H,T,L]
-        visible = torch.arange(kv_len + block)[None, :] <= (kv_len + torch.arange(block))[:, None]  # [T,L]
+        query_pos = (kv_len + torch.arange(block))[:, None]
+        key_pos = torch.arange(kv_len + block)[None, :]
+        visible = key_pos <= query_pos  # [T,L]
+        if window:
+            visible = visible & (query_pos - key_pos < window)
         probs = torch.softmax(scores.masked_fill(~visible, torch.finfo(scores.dtype).min), dim=-1)
         out = torch.matmul(probs, values).transpose(1, 2).reshape(1, block, n_heads * head_dim)  # [1,T,H*D]
         return out, present_key, present_value
 
     @staticmethod
-    def symbolic(g, q, k, v, past_key, past_value, seqlens_k, total_len, cos_cache, sin_cache, n_heads, n_kv_heads, scale):
+    def symbolic(g, q, k, v, past_key, past_value, seqlens_k, total_len, cos_cache, sin_cache, n_heads, n_kv_heads, scale, window):
         out, present_key, present_value = g.op(
             "com.microsoft::GroupQueryAttention",
             q, k, v, past_key, past_value, seqlens_k, total_len, cos_cache, sin_cache,
             num_heads_i=n_heads, kv_num_heads_i=n_kv_heads, scale_f=scale, do_rotary_i=1, rotary_interleaved_i=0,
+            local_window_size_i=window if window else -1,
             outputs=3,
         )
         out.setType(q.type())
@@ -82,8 +94,8 @@ class _SimplifiedLayerNorm(torch.autograd.Function):
 
 
 class StageModule(nn.Module):
-    """Layers [layer_start, layer_end) of a Hugging Face Llama-family model, with optional
-    embedding in front and final norm + LM head behind.
+    """Layers [layer_start, layer_end) of a Hugging Face decoder model of a registered
+    architecture (export.archs), with optional embedding in front and final norm + LM head behind.
 
     forward(x, position, logit_positions, *past) -> (logits | hidden, KV outputs ...)
     position is kv_len [1] (portable), (seqlens_k [1], total_seq_len []) int32 (fused) or
@@ -94,27 +106,42 @@ class StageModule(nn.Module):
 
     def __init__(self, hf_model, layer_start: int, layer_end: int, embed: bool, head: bool, vocab_rows: int, attention: str = "fused", max_context: int = 2048, fused_norm: bool = False):
         super().__init__()
+        from export.archs import arch_for
+
         self.attention = attention
         self.fused_norm = fused_norm
         config = hf_model.config
+        self.spec = spec = arch_for(config)
         inner = hf_model.model
         self.embed, self.head = embed, head
         self.layers = nn.ModuleList(inner.layers[layer_start:layer_end])
         self.n_heads = config.num_attention_heads
         self.n_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
-        self.scale = self.head_dim**-0.5
-        # inv_freq already carries llama3 scaling; attention_scaling is 1.0 for default/llama3.
-        self.register_buffer("inv_freq", inner.rotary_emb.inv_freq.detach().float().clone(), persistent=False)
-        self.rope_scaling = float(getattr(inner.rotary_emb, "attention_scaling", 1.0))
-        if attention in ("fused", "masked"):
-            angles = torch.arange(max_context, dtype=torch.float32)[:, None] * self.inv_freq[None, :]  # [MAX,D/2]
-            if attention == "masked":  # full-width tables, gathered by position: no Cos/Sin in the graph
-                angles = torch.cat((angles, angles), dim=-1)  # [MAX,D]
-            self.register_buffer("cos_cache", angles.cos() * self.rope_scaling, persistent=False)
-            self.register_buffer("sin_cache", angles.sin() * self.rope_scaling, persistent=False)
+        self.scale = float(spec.attention_scale(config))
+        self.softcap = spec.logit_softcap(config)
+        self.windows = tuple(spec.windows(config)[layer_start:layer_end])  # per layer of this stage, 0 = global
+        layer_kinds = spec.rope_kinds(config)[layer_start:layer_end]
+        # One rotary table per kind the stage's layers use (Gemma 3: local and global); the
+        # first is named as a single-table model's always was.
+        self.rope_kinds = sorted(set(layer_kinds))
+        self.layer_rope = tuple(self.rope_kinds.index(kind) for kind in layer_kinds)
+        self.rope_scaling = []
+        for index, kind in enumerate(self.rope_kinds):
+            inv_freq, scaling = spec.rope_table(inner, kind)
+            suffix = "" if index == 0 else f"_{index}"
+            # inv_freq already carries llama3/linear scaling; attention_scaling is long-RoPE's factor (else 1.0).
+            inv_freq = inv_freq.detach().float().clone()
+            self.register_buffer("inv_freq" + suffix, inv_freq, persistent=False)
+            self.rope_scaling.append(float(scaling))
+            if attention in ("fused", "masked"):
+                angles = torch.arange(max_context, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [MAX,D/2]
+                if attention == "masked":  # full-width tables, gathered by position: no Cos/Sin in the graph
+                    angles = torch.cat((angles, angles), dim=-1)  # [MAX,D]
+                self.register_buffer("cos_cache" + suffix, angles.cos() * scaling, persistent=False)
+                self.register_buffer("sin_cache" + suffix, angles.sin() * scaling, persistent=False)
         if embed:
-            self.embed_tokens = inner.embed_tokens
+            self.embed_tokens = inner.embed_tokens  # transformers' module: Gemma's sqrt(hidden) scale included
         if head:
             self.norm = inner.norm
             # A separate, pre-transposed copy so the graph has MatMul(h, W) with W an initializer
@@ -122,11 +149,64 @@ class StageModule(nn.Module):
             weight = hf_model.lm_head.weight.detach()[:vocab_rows]  # [vocab, hidden]
             self.lm_head_t = nn.Parameter(weight.t().contiguous().clone(), requires_grad=False)  # [hidden, vocab]
 
+    def rope_table(self, index: int, name: str) -> torch.Tensor:
+        return getattr(self, name + ("" if index == 0 else f"_{index}"))
+
+    def norm_params(self, norm: nn.Module) -> tuple[torch.Tensor, float]:
+        """(scale, epsilon) of an RMS norm module: Gemma's weight is stored as scale - 1."""
+        eps = getattr(norm, "variance_epsilon", None)
+        eps = float(norm.eps if eps is None else eps)
+        weight = norm.weight if not self.spec.norm_offset else norm.weight + self.spec.norm_offset
+        return weight, eps
+
     def _rms_norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        weight, eps = self.norm_params(norm)
         if self.fused_norm:
-            return _SimplifiedLayerNorm.apply(x, norm.weight, float(norm.variance_epsilon))
+            return _SimplifiedLayerNorm.apply(x, weight, eps)
         variance = x.pow(2).mean(-1, keepdim=True)
-        return norm.weight * (x * torch.rsqrt(variance + norm.variance_epsilon))
+        return weight * (x * torch.rsqrt(variance + eps))
+
+    def project(self, layer, x, norm=None):
+        """q [1,T,H*D], k and v [1,T,KVH*D] before rotary, q/k normed per head where the family does."""
+        attn = layer.self_attn
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        if self.spec.fused_qkv:
+            qkv = attn.qkv_proj(x)
+            q, k, v = qkv[..., :q_size], qkv[..., q_size : q_size + kv_size], qkv[..., q_size + kv_size :]
+        else:
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        if self.spec.qk_norm:
+            norm = norm or self._rms_norm
+            q = norm(attn.q_norm, q.view(1, -1, self.n_heads, self.head_dim)).reshape(1, -1, q_size)
+            k = norm(attn.k_norm, k.view(1, -1, self.n_kv_heads, self.head_dim)).reshape(1, -1, kv_size)
+        return q, k, v
+
+    def layer_block(self, layer, h, attend, norm=None):
+        """One decoder layer around `attend(normed h) -> (attn_out, k, v)`: pre-norms, and
+        Gemma's norms on both sublayer outputs. Returns (h, k, v)."""
+        norm = norm or self._rms_norm
+        attn_out, k, v = attend(norm(layer.input_layernorm, h))
+        if self.spec.sandwich_norms:
+            h = h + norm(layer.post_attention_layernorm, attn_out)
+            return h + norm(layer.post_feedforward_layernorm, self.mlp(layer, norm(layer.pre_feedforward_layernorm, h))), k, v
+        h = h + attn_out
+        return h + self.mlp(layer, norm(layer.post_attention_layernorm, h)), k, v
+
+    def mlp(self, layer, x):
+        if self.spec.activations != ("gelu_pytorch_tanh",):
+            return layer.mlp(x)  # transformers' module: SiLU-gated, fused gate_up for Phi-3
+        # GELU (tanh form) written out: the CPU provider has no kernel for ONNX's Gelu here.
+        mlp = layer.mlp
+        gate = mlp.gate_proj(x)
+        gelu = 0.5 * gate * (1.0 + torch.tanh(0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)))
+        return mlp.down_proj(gelu * mlp.up_proj(x))
+
+    def logits(self, h, norm=None):
+        weight = self.lm_head_t if self.lm_head_t.dtype == h.dtype else self.lm_head_t.to(h.dtype)
+        h = torch.matmul((norm or self._rms_norm)(self.norm, h), weight)  # [1,N,vocab]
+        if self.softcap:
+            h = torch.tanh(h / self.softcap) * self.softcap
+        return h
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -137,9 +217,10 @@ class StageModule(nn.Module):
         attn = layer.self_attn
         batch, block, _ = x.shape
         group = self.n_heads // self.n_kv_heads
-        q = attn.q_proj(x).view(1, block, self.n_heads, self.head_dim).transpose(1, 2)  # [1,H,T,D]
-        k = attn.k_proj(x).view(1, block, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [1,KVH,T,D]
-        v = attn.v_proj(x).view(1, block, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [1,KVH,T,D]
+        q, k, v = self.project(layer, x)
+        q = q.view(1, block, self.n_heads, self.head_dim).transpose(1, 2)  # [1,H,T,D]
+        k = k.view(1, block, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [1,KVH,T,D]
+        v = v.view(1, block, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [1,KVH,T,D]
         q = q * cos + self._rotate_half(q) * sin
         k = k * cos + self._rotate_half(k) * sin
         # Query head h uses KV head h // group: fold the group into the row axis instead of
@@ -161,9 +242,10 @@ class StageModule(nn.Module):
         the runtime's bias, and rotate-half without Neg: ops the Core ML EP builds."""
         attn = layer.self_attn
         heads, kv_heads, dim = self.n_heads, self.n_kv_heads, self.head_dim
-        q = attn.q_proj(x).view(1, -1, heads, dim).transpose(1, 2)  # [1,H,T,D]
-        k = attn.k_proj(x).view(1, -1, kv_heads, dim).transpose(1, 2)  # [1,KVH,T,D]
-        v = attn.v_proj(x).view(1, -1, kv_heads, dim).transpose(1, 2)
+        q, k, v = self.project(layer, x)
+        q = q.view(1, -1, heads, dim).transpose(1, 2)  # [1,H,T,D]
+        k = k.view(1, -1, kv_heads, dim).transpose(1, 2)  # [1,KVH,T,D]
+        v = v.view(1, -1, kv_heads, dim).transpose(1, 2)
         half = dim // 2
         q = q * cos + torch.cat((q[..., half:] * -1.0, q[..., :half]), dim=-1) * sin
         k = k * cos + torch.cat((k[..., half:] * -1.0, k[..., :half]), dim=-1) * sin
@@ -176,11 +258,12 @@ class StageModule(nn.Module):
         out = out.reshape(1, heads, -1, dim).transpose(1, 2).reshape(1, -1, heads * dim)  # [1,T,H*D]
         return attn.o_proj(out), k, v
 
-    def _fused_attention(self, layer, x, seqlens_k, total_len, past_key, past_value):
+    def _fused_attention(self, layer, x, seqlens_k, total_len, past_key, past_value, rope: int, window: int):
         attn = layer.self_attn
+        q, k, v = self.project(layer, x)
         out, present_key, present_value = _GroupQueryAttention.apply(
-            attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), past_key, past_value, seqlens_k, total_len,
-            self.cos_cache, self.sin_cache, self.n_heads, self.n_kv_heads, self.scale,
+            q, k, v, past_key, past_value, seqlens_k, total_len,
+            self.rope_table(rope, "cos_cache"), self.rope_table(rope, "sin_cache"), self.n_heads, self.n_kv_heads, self.scale, window,
         )
         return attn.o_proj(out), present_key, present_value
 
@@ -191,54 +274,71 @@ class StageModule(nn.Module):
         if len(self.layers) and self.attention == "fused":
             seqlens_k, total_len = position  # int32 [1] = kv_len + T - 1, int32 [] = kv_len + T
             for i, layer in enumerate(self.layers):
-                attn_out, present_key, present_value = self._fused_attention(
-                    layer, self._rms_norm(layer.input_layernorm, h), seqlens_k, total_len, past[2 * i], past[2 * i + 1]
+                attend = lambda y, i=i: self._fused_attention(
+                    self.layers[i], y, seqlens_k, total_len, past[2 * i], past[2 * i + 1], self.layer_rope[i], self.windows[i]
                 )
-                h = h + attn_out
-                h = h + layer.mlp(self._rms_norm(layer.post_attention_layernorm, h))
+                h, present_key, present_value = self.layer_block(layer, h, attend)
                 new_kv += [present_key, present_value]
         elif len(self.layers) and self.attention == "masked":
             position_ids, bias = position  # int64 [T], float32 [T, MAX+T]
-            cos = torch.index_select(self.cos_cache, 0, position_ids)[None, None]  # [1,1,T,D]
-            sin = torch.index_select(self.sin_cache, 0, position_ids)[None, None]
+            tables = [
+                (torch.index_select(self.rope_table(r, "cos_cache"), 0, position_ids)[None, None],  # [1,1,T,D]
+                 torch.index_select(self.rope_table(r, "sin_cache"), 0, position_ids)[None, None])
+                for r in range(len(self.rope_kinds))
+            ]
             max_context = past[0].shape[2]
-            bias = torch.cat([bias] * (self.n_heads // self.n_kv_heads), dim=0)[None, None]  # [1,1,G*T,MAX+T]: Concat, not repeat's Expand
-            past_bias, new_bias = bias[..., :max_context], bias[..., max_context:]
+            group = self.n_heads // self.n_kv_heads
+            biases = {}
+            for window in sorted(set(self.windows)):
+                windowed = bias
+                if window:
+                    # Keys W or more positions behind the query are masked too (past row j holds
+                    # position j), in float arithmetic: the Core ML EP builds no comparison, Max or
+                    # Relu, so relu(x) = (x + sqrt(x * x)) / 2, exact on these whole numbers.
+                    positions = position_ids.float()
+                    key_pos = torch.cat([torch.arange(max_context, dtype=torch.float32), positions])  # [MAX+T]
+                    behind = positions[:, None] - key_pos[None, :] - (window - 1)  # [T,MAX+T]: > 0 outside the window
+                    windowed = bias + (behind + torch.sqrt(behind * behind)) * (0.5 * names.MASKED)
+                windowed = torch.cat([windowed] * group, dim=0)[None, None]  # [1,1,G*T,MAX+T]: Concat, not repeat's Expand
+                biases[window] = (windowed[..., :max_context], windowed[..., max_context:])
             for i, layer in enumerate(self.layers):
-                attn_out, k, v = self._masked_attention(
-                    layer, self._rms_norm(layer.input_layernorm, h), cos, sin, past_bias, new_bias, past[2 * i], past[2 * i + 1]
+                cos, sin = tables[self.layer_rope[i]]
+                past_bias, new_bias = biases[self.windows[i]]
+                attend = lambda y, i=i, cos=cos, sin=sin, pb=past_bias, nb=new_bias: self._masked_attention(
+                    self.layers[i], y, cos, sin, pb, nb, past[2 * i], past[2 * i + 1]
                 )
-                h = h + attn_out
-                h = h + layer.mlp(self._rms_norm(layer.post_attention_layernorm, h))
+                h, k, v = self.layer_block(layer, h, attend)
                 new_kv += [k, v]
         elif len(self.layers):
             kv_len = position
             positions = (kv_len + torch.arange(block, dtype=torch.int64)).float()  # [T]
-            freqs = positions[:, None] * self.inv_freq[None, :]  # [T,D/2]
-            emb = torch.cat((freqs, freqs), dim=-1)
-            cos = (emb.cos() * self.rope_scaling)[None, None]  # [1,1,T,D]
-            sin = (emb.sin() * self.rope_scaling)[None, None]
+            tables = []
+            for r in range(len(self.rope_kinds)):
+                freqs = positions[:, None] * self.rope_table(r, "inv_freq")[None, :]  # [T,D/2]
+                emb = torch.cat((freqs, freqs), dim=-1)
+                tables.append(((emb.cos() * self.rope_scaling[r])[None, None], (emb.sin() * self.rope_scaling[r])[None, None]))  # [1,1,T,D]
             max_context = past[0].shape[2]
-            past_valid = (torch.arange(max_context, dtype=torch.int64) < kv_len)[None, None, None, :]  # [1,1,1,MAX]
+            columns = torch.arange(max_context, dtype=torch.int64)
+            past_valid = (columns < kv_len)[None, None, None, :]  # [1,1,1,MAX]
             rows = torch.arange(block, dtype=torch.int64)
             group = self.n_heads // self.n_kv_heads
             causal = (rows[None, :] <= rows[:, None]).repeat(group, 1)[None, None]  # [1,1,G*T,T]
+            masks = {0: (past_valid, causal)}
+            for window in sorted(set(self.windows) - {0}):
+                # Block row t (position kv_len + t) sees the keys less than `window` positions behind it.
+                query_pos = (kv_len + rows).repeat(group)[:, None]  # [G*T,1]
+                past_near = (query_pos - columns[None, :]) < window  # [G*T,MAX]
+                new_near = (rows[:, None] - rows[None, :] < window).repeat(group, 1)  # [G*T,T]
+                masks[window] = (past_valid & past_near[None, None], causal & new_near[None, None])
             for i, layer in enumerate(self.layers):
-                residual = h
-                attn_out, k, v = self._attention(
-                    layer,
-                    self._rms_norm(layer.input_layernorm, h),
-                    cos,
-                    sin,
-                    past_valid,
-                    causal,
-                    past[2 * i],
-                    past[2 * i + 1],
+                cos, sin = tables[self.layer_rope[i]]
+                valid, causal_i = masks[self.windows[i]]
+                attend = lambda y, i=i, cos=cos, sin=sin, valid=valid, causal_i=causal_i: self._attention(
+                    self.layers[i], y, cos, sin, valid, causal_i, past[2 * i], past[2 * i + 1]
                 )
-                h = residual + attn_out
-                h = h + layer.mlp(self._rms_norm(layer.post_attention_layernorm, h))
+                h, k, v = self.layer_block(layer, h, attend)
                 new_kv += [k, v]
         if self.head:
             h = torch.index_select(h, 1, logit_positions)  # [1,N,hidden]
-            h = torch.matmul(self._rms_norm(self.norm, h), self.lm_head_t)  # [1,N,vocab]
+            h = self.logits(h)
         return (h, *new_kv)

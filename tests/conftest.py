@@ -32,7 +32,7 @@ class TinyModels:
     draft: Path  # 2-layer llama, same tokenizer
     draft_padded: Path  # 2-layer llama, same tokenizer, LM head padded by 64 rows
     draft_other_vocab: Path  # 2-layer llama with another tokenizer
-    mistral: Path  # config + tokenizer only (unsupported architecture)
+    gemma2: Path  # config + tokenizer only (unsupported architecture)
     gpt2: Path  # config + tokenizer only (unsupported architecture)
 
 
@@ -54,7 +54,7 @@ def tiny_models(tmp_path_factory) -> TinyModels:
         draft=tiny.make_llama(root / "draft", tok, n_layers=2, seed=5),
         draft_padded=tiny.make_llama(root / "draft_padded", tok, n_layers=2, extra_rows=64, seed=7),
         draft_other_vocab=tiny.make_llama(root / "draft_other", other, n_layers=2, seed=8),
-        mistral=tiny.make_unsupported(root / "mistral", tok, "mistral"),
+        gemma2=tiny.make_unsupported(root / "gemma2", tok, "gemma2"),
         gpt2=tiny.make_unsupported(root / "gpt2", tok, "gpt2"),
     )
 

@@ -24,6 +24,7 @@ REQUIRE = os.environ.get("EDGE_SPEC_REQUIRE_MODELS") == "1"
 QWEN_TARGET = CATALOG["qwen2.5-coder-1.5b"].gguf_file
 QWEN_DRAFT = CATALOG["qwen2.5-coder-0.5b"].gguf_file
 SMOLLM2 = CATALOG["smollm2-135m"].gguf_file
+GEMMA3 = CATALOG["gemma-3-270m"].gguf_file
 HUMANEVAL = "HumanEval.jsonl.gz"
 LAYER_SKIP = "layer-skip:16"
 
@@ -50,6 +51,8 @@ def _exporter_hash() -> str:
 
     for name in ("export/static_cache.py", "export/onnx_graphs.py", "export/quantize.py", "edge_spec/names.py"):
         digest.update((ROOT / name).read_bytes())
+    for path in sorted((ROOT / "export" / "archs").glob("*.py")):  # what each family computes
+        digest.update(path.read_bytes())
     from edge_spec.profiles import PROFILES  # the facts of each profile that decide bytes, not its messages
 
     for p in PROFILES.values():
@@ -73,6 +76,10 @@ REAL_BUNDLES = {
     "qwen-pair-int8": ("qwen2.5-coder-1.5b", "int8", ("qwen2.5-coder-0.5b", LAYER_SKIP), 2048, "fused", "cpu"),
     "qwen-pair-cuda-int4": ("qwen2.5-coder-1.5b", "int4", ("qwen2.5-coder-0.5b", LAYER_SKIP), 2048, "fused", "cuda"),
     "qwen15-fp32": ("qwen2.5-coder-1.5b", "fp32", (), 1024, "fused", "cpu"),
+    # Gemma 3: 1024 positions reach past its 512-token sliding window.
+    "gemma3-fp32": ("gemma-3-270m", "fp32", ("layer-skip:9",), 1024, "fused", "cpu"),
+    "gemma3-int8": ("gemma-3-270m", "int8", ("layer-skip:9",), 1024, "fused", "cpu"),
+    "gemma3-int4": ("gemma-3-270m", "int4", ("layer-skip:9",), 1024, "fused", "cpu"),
 }
 
 

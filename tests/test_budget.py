@@ -319,6 +319,10 @@ def test_export_shortens_context_first(tiny_models, facts, tmp_path):
     summary = json.loads(stdout.getvalue())
     assert summary["max_context"] == 1024 and summary["quant"] == "fp32"
     assert summary["memory"]["changes"] == ["max context 1024 (asked 2048)"]
+    # The export's own peak memory: at least what this process holds now, read from the OS.
+    import resource
+    assert summary["peak_rss_bytes"] >= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 * 0.99
+    assert "GiB peak] loading" in stderr.getvalue() and "s left" in stderr.getvalue()
     manifest = load_manifest(out)
     assert manifest.target.arch.max_context == 1024 and set(manifest.models) == {"target", "draft", "layer_skip"}
     # The prediction made before writing agrees with the plan of the files written.

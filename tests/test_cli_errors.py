@@ -50,9 +50,9 @@ def test_export_missing_gguf(tmp_path):
 
 
 def test_export_unsupported_architecture(tiny_models, tmp_path):
-    proc = _run("export", tiny_models.mistral, "--out", tmp_path / "b", "--quant", "fp32", "--draft", "none")
+    proc = _run("export", tiny_models.gemma2, "--out", tmp_path / "b", "--quant", "fp32", "--draft", "none")
     line = _error_line(proc)
-    assert "architecture 'mistral' is not supported (supported: llama, qwen2)" in line
+    assert "architecture 'gemma2' is not supported (supported: gemma3_text, llama, mistral, phi3, qwen2, qwen3)" in line
     assert not (tmp_path / "b").exists() and not (tmp_path / "b.partial").exists()
 
 

@@ -50,12 +50,15 @@ def _parity(bundle, gguf_file: str, new_tokens: int):
         assert result.token_ids == hf_tokens
 
 
-def _top1_against_transformers(bundles: list, gguf_file: str, n_humaneval: int = 2) -> dict:
+def _top1_against_transformers(bundles: list, gguf_file: str, n_humaneval: int = 2, raw_prompts=None) -> dict:
     """Top-1 agreement with transformers fp32 over every position of raw, chat and HumanEval
     prompts, and the largest logit difference, per bundle (each run on the CPU provider)."""
     torch, model, _ = _hf(gguf_file)
     engines = [Engine(b, EngineConfig(provider="cpu", drafter="none", calibrate=False)) for b in bundles]
-    prompts = [engines[0].encode(prompt=p) for p in RAW_PROMPTS] + [engines[0].encode(messages=m) for m in CHAT]
+    if raw_prompts is None:
+        prompts = [engines[0].encode(prompt=p) for p in RAW_PROMPTS] + [engines[0].encode(messages=m) for m in CHAT]
+    else:  # a base model: no chat template
+        prompts = [engines[0].encode(prompt=p) for p in raw_prompts]
     prompts += [engines[0].encode(messages=m) for m in real.humaneval_messages(n_humaneval)] if n_humaneval else []
     rows = {}
     for bundle, engine in zip(bundles, engines):
@@ -101,6 +104,62 @@ def test_smollm2_cuda_profile_fp16_matches_transformers():
 def test_smollm2_fp32_matches_transformers():
     real.need(real.SMOLLM2)
     _parity(real.bundle("smollm2-fp32"), real.SMOLLM2, 32)
+
+
+GEMMA_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea,",
+    "1, 2, 3, 4, 5,",
+]
+
+
+GEMMA_LONG_PROMPT = " ".join(f"item {i} is {i * 7 % 13};" for i in range(90))  # 732 tokens
+
+
+def test_gemma3_fp32_matches_transformers_and_speculates_exactly():
+    """Gemma 3 270M (a base model: raw prompts only): logits and greedy ids as transformers';
+    a prompt longer than its 512-token window; lookup and layer-skip greedy = plain."""
+    real.need(real.GEMMA3)
+    bundle = real.bundle("gemma3-fp32")
+    torch, model, tokenizer = _hf(real.GEMMA3)
+    engine = Engine(bundle, EngineConfig(drafter="none", calibrate=False))
+    assert engine.bundle.manifest.models["target"].arch.layer_windows.count(512) == 15
+    eos = sorted(engine.tokenizer.eos_token_ids)
+    long_prompt = GEMMA_LONG_PROMPT
+    for prompt in GEMMA_PROMPTS + [long_prompt]:
+        ids = engine.encode(prompt=prompt)
+        assert ids == tokenizer(prompt).input_ids
+        with torch.no_grad():
+            reference = model(torch.tensor([ids])).logits[0].numpy()  # [T,V]
+        engine.target.cache.reset()
+        logits = engine.target.forward(ids)
+        if prompt is long_prompt:
+            # 732 positions: float noise reaches 2.5e-3 (of logits up to 36) at one position
+            # inside the window; past it the error stays small, where a missing window moves logits by ~29.
+            assert len(ids) > 600
+            assert np.abs(logits - reference).max() < 5e-3
+            assert np.abs(logits - reference)[512:].max() < 1e-3
+            assert (logits.argmax(-1) == reference.argmax(-1)).all()
+            continue
+        assert np.abs(logits - reference).max() < 1e-3, prompt[:30]
+        with torch.no_grad():
+            hf_out = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
+        plain = engine.generate(ids, GenerateConfig(max_new_tokens=24)).token_ids
+        assert plain == hf_out[0, len(ids) :].tolist(), prompt
+        for drafter in ("layer-skip", "lookup"):
+            engine.use_drafter(drafter, gamma=3)
+            assert engine.generate(ids, GenerateConfig(max_new_tokens=24)).token_ids == plain, (drafter, prompt)
+        engine.use_drafter("none")
+
+
+def test_gemma3_quantized_top1():
+    """int8 and int4 Gemma 3 bundles run; their top-1 agreement with transformers fp32 (README)."""
+    real.need(real.GEMMA3)
+    int8, int4 = real.bundle("gemma3-int8"), real.bundle("gemma3-int4")
+    rows = _top1_against_transformers([int8, int4], real.GEMMA3, n_humaneval=0, raw_prompts=GEMMA_PROMPTS + [GEMMA_LONG_PROMPT])
+    assert rows[int8.name]["top1"] >= 0.9, rows
+    assert rows[int4.name]["top1"] >= 0.6, rows
 
 
 def test_qwen_1_5b_fp32_matches_transformers():

@@ -376,7 +376,7 @@ def test_draft_with_padded_head_is_accepted(tiny_models, hf_models, tmp_path):
     assert draft_logits.shape == (len(ids), n_real)
 
 
-@pytest.mark.parametrize("kind", ["mistral", "gpt2"])
+@pytest.mark.parametrize("kind", ["gemma2", "gpt2"])
 def test_unsupported_architecture_refused_before_weights(kind, tiny_models, tmp_path):
     """The folders hold no weights at all: refusing by model_type must come first."""
     from export.archs import UnsupportedArchitecture

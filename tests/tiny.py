@@ -180,16 +180,66 @@ def make_qwen2(folder: Path, tok, n_layers: int = 3, seed: int = 1) -> Path:
     return _save(model, tok, folder)
 
 
-def make_unsupported(folder: Path, tok, kind: str = "mistral") -> Path:
+FAMILY_WINDOW = 12  # sliding window of the tiny windowed families: shorter than the 80-token test prompt
+
+
+def family_config(family: str, n_vocab: int, max_context: int = 128):
+    """A tiny config (hidden 64, 4 layers, 4 heads over 2 KV heads) of each exported family,
+    windows of FAMILY_WINDOW where the family has them."""
+    import transformers as tf
+
+    common = dict(vocab_size=n_vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=max_context * 2)
+    if family == "llama":
+        return llama_config(n_vocab)
+    if family == "qwen2":
+        return tf.Qwen2Config(**common, tie_word_embeddings=False, use_sliding_window=False)
+    if family == "qwen3":
+        # Windows on the upper two layers (max_window_layers): both mask kinds in one model.
+        return tf.Qwen3Config(**common, head_dim=16, use_sliding_window=True, sliding_window=FAMILY_WINDOW, max_window_layers=2,
+                              tie_word_embeddings=True)
+    if family == "mistral":
+        return tf.MistralConfig(**common, head_dim=16, sliding_window=FAMILY_WINDOW, tie_word_embeddings=False)
+    if family == "phi3":
+        # long-RoPE with distinct short and long factors: exact while the context stays within the original window.
+        half = 8
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                "long_factor": [2.0 + 0.5 * i for i in range(half)], "original_max_position_embeddings": max_context}
+        config = tf.Phi3Config(**{**common, "max_position_embeddings": max_context * 4}, sliding_window=FAMILY_WINDOW, rope_parameters=rope,
+                               original_max_position_embeddings=max_context, tie_word_embeddings=False, pad_token_id=0)
+        return config
+    if family == "gemma3_text":
+        return tf.Gemma3TextConfig(**common, head_dim=16, query_pre_attn_scalar=24, sliding_window=FAMILY_WINDOW,
+                                   layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+                                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+                                   tie_word_embeddings=True, pad_token_id=0)
+    raise ValueError(family)
+
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3_text")
+
+
+def make_family(folder: Path, tok, family: str, seed: int = 3) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(family_config(family, len(tok))).eval()
+    _randomize(model, seed, bias_scale=0.5, weight_scale=1.0)
+    return _save(model, tok, folder)
+
+
+def make_unsupported(folder: Path, tok, kind: str = "gemma2") -> Path:
     """Config + tokenizer only, no weights: an exporter that refuses by model_type before
     loading weights never notices the weights are missing."""
-    from transformers import GPT2Config, MistralConfig
+    from transformers import Gemma2Config, GPT2Config
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    if kind == "mistral":
-        config = MistralConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2)
+    if kind == "gemma2":
+        config = Gemma2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     else:
         config = GPT2Config(vocab_size=len(tok), n_embd=64, n_layer=2, n_head=4, n_positions=MAX_CONTEXT)
     config.save_pretrained(folder)

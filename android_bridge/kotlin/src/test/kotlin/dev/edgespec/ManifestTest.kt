@@ -43,6 +43,10 @@ class ManifestTest {
         stage.put("attention", "fused")
         stage.put("outputs", org.json.JSONArray(Names.stageOutputs(false, 0 until stage.getInt("layer_end")).map { it.replace("new_", "present_") }))
     }), "re-export with `python -m export MODEL --attention portable`")
+    @Test fun `sliding windows refused`() = refused(mutated({ m ->
+        val arch = m.getJSONObject("models").getJSONObject("target").getJSONObject("arch")
+        arch.put("layer_windows", org.json.JSONArray(List(arch.getInt("n_layers")) { if (it % 2 == 0) 16 else 0 }))
+    }), "sliding-window layers (layer_windows)")
     @Test fun `unknown field`() = refused(mutated({ it.put("extra", 1) }), "unknown field(s) [extra]")
     @Test fun `gpu device profile refused`() = refused(mutated({ it.put("device", "cuda") }), "exported for --device cuda", "--device cpu")
     @Test fun `no target`() = refused(mutated({ m -> val models = m.getJSONObject("models"); models.put("x", models.remove("target")); m.remove("default_draft") }), "no 'target' model")
