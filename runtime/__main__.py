@@ -191,9 +191,6 @@ def cmd_audit(args) -> int:
     if args.temperature <= 0:
         print("error: the audit tests sampled distributions: pass --temperature > 0", file=sys.stderr)
         return 2
-    if args.gamma != "auto" and not (args.gamma.isdigit() and int(args.gamma) > 0):
-        print(f"error: --gamma must be auto or a positive integer, got {args.gamma!r}", file=sys.stderr)
-        return 2
     if args.draft == "none":
         print("error: the audit tests speculation: pick a drafter other than none", file=sys.stderr)
         return 2
@@ -374,14 +371,14 @@ def main(argv: list[str] | None = None) -> int:
     _engine_args(audit)
     _prompt_args(audit)
     audit.set_defaults(gamma="4")  # a fixed γ drafts in every sample; auto may draft in few
-    audit.add_argument("--samples", type=int, default=600, help="speculative samples (default 600)")
-    audit.add_argument("--positions", type=int, default=3, help="first K generated tokens tested (default 3)")
-    audit.add_argument("--alpha", type=float, default=0.01, help="family-wise significance level (default 0.01)")
-    audit.add_argument("--simulations", type=int, help="draws for each p-value (default: 10 / (alpha / K))")
+    audit.add_argument("--samples", type=_integer(20, 10**7), default=600, help="speculative samples (default 600)")
+    audit.add_argument("--positions", type=_integer(1, 32), default=3, help="first K generated tokens tested (default 3)")
+    audit.add_argument("--alpha", type=_number(0.0, 0.5, low_open=True), default=0.01, help="family-wise significance level (default 0.01)")
+    audit.add_argument("--simulations", type=_integer(1, 10**7), help="draws for each p-value (default: 10 / (alpha / K))")
     audit.add_argument("--against", default="exact", choices=("exact", "plain"),
                        help="exact: the target's own law (default); plain: a two-sample test against plain samples")
     audit.add_argument("--self-test", action="store_true", help="draw the samples from the draft's q instead: the test must reject them")
-    audit.add_argument("--seed", type=int, default=0)
+    audit.add_argument("--seed", type=_integer(0, 2**32), default=0)
     audit.add_argument("--json", action="store_true")
     audit.set_defaults(func=cmd_audit)
 

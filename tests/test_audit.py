@@ -124,9 +124,10 @@ def _cli(*args, timeout=120):
 
 
 @pytest.mark.parametrize("extra,message", [
-    (["--samples", "0"], "samples must be at least 20"),
-    (["--gamma", "0"], "--gamma must be auto or a positive integer"),
-    (["--gamma", "-2"], "--gamma must be auto or a positive integer"),
+    (["--samples", "0"], "--samples: 0 is out of range (allowed: 20..10000000)"),
+    (["--samples", "50", "--simulations", "10"], "cannot give a p-value below"),
+    (["--gamma", "0"], "must be auto or an integer 1..32"),
+    (["--gamma", "-2"], "must be auto or an integer 1..32"),
     (["--draft", "none"], "pick a drafter other than none"),
     (["--temperature", "0"], "--temperature > 0"),
 ])
