@@ -3,6 +3,7 @@ python -m benchmarks ab OLD_BUNDLE NEW_BUNDLE [--blocks 1,5] [--kv-len 512] [--r
 python -m benchmarks spinning BUNDLE [--repeats 120] [--kv-len 512] [--out FILE.json]
 python -m benchmarks activations MODEL [--out FILE.json]
 python -m benchmarks greedy_stability BUNDLE... [--prompts SPEC] [--tokens N] [--modes M] [--out FILE.json]
+python -m benchmarks block_stable_cost BUNDLE [--prompts SPEC] [--tokens N] [--drafters none,auto] [--out FILE.json]
 python -m benchmarks gpu_check --out DIR [--bundle DIR] [--reference DIR] ... (benchmarks/gpu_check.py)
 python -m benchmarks load_run BUNDLE [--waves 3] [--clients 32] [--slow 10] [--oversized 4] [--out FILE.json]"""
 
@@ -51,6 +52,12 @@ def main() -> int:
     stability.add_argument("--tokens", type=int, default=128, help="greedy tokens per run (default 128)")
     stability.add_argument("--modes", default="default,block_stable", help="greedy identity runs: default, block_stable, or none")
     stability.add_argument("--out", help="write the rows as JSON here")
+    cost = sub.add_parser("block_stable_cost", help="decode speed with block-stable mode off and on, alternately")
+    cost.add_argument("bundle")
+    cost.add_argument("--prompts", default="humaneval:10")
+    cost.add_argument("--tokens", type=int, default=128)
+    cost.add_argument("--drafters", default="none,auto", help="comma-separated: none (plain), auto, model, lookup, layer-skip")
+    cost.add_argument("--out", help="write the result as JSON here")
     args = parser.parse_args()
 
     if args.command == "activations":
@@ -70,6 +77,10 @@ def main() -> int:
         if bad:
             parser.error(f"unknown --modes {sorted(bad)} (default, block_stable, none)")
         rows = run_stability(args.bundles, args.prompts, args.tokens, modes)
+    elif args.command == "block_stable_cost":
+        from benchmarks.block_stable_cost import run as run_cost
+
+        rows = run_cost(args.bundle, args.prompts, args.tokens, [d for d in args.drafters.split(",") if d])
     elif args.command == "ab":
         from benchmarks.ab_passes import compare as compare_passes
 
