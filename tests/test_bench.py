@@ -197,8 +197,9 @@ def test_cli_prompt_errors(llama_bundle, tmp_path, capsys):
     bad = _write_prompts(tmp_path / "bad.jsonl", ['{"id": "a", "category": "x"}'])
     assert main(["bench", str(llama_bundle), "--prompts", str(bad), "--out", str(tmp_path / "out")]) == 2
     assert "line 1" in capsys.readouterr().err
-    assert main(["bench", str(llama_bundle), "--prompts", str(bad), "--gamma", "two", "--out", str(tmp_path / "out")]) == 2
-    assert "--gamma" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # refused by argparse, before the prompts are read
+        main(["bench", str(llama_bundle), "--prompts", str(bad), "--gamma", "two", "--out", str(tmp_path / "out")])
+    assert exit_.value.code == 2 and "--gamma" in capsys.readouterr().err
     assert main(["bench", str(llama_bundle), "--prompts", str(bad), "--modes", "plain,copy", "--out", str(tmp_path / "out")]) == 2
     assert "unknown mode(s) ['copy']" in capsys.readouterr().err
     long = load_prompts(str(_write_prompts(tmp_path / "long.jsonl", [{"id": "long-one", "category": "x", "prompt": "the cat " * 80}])))
