@@ -36,7 +36,7 @@ def _prompts(n: int) -> list[str]:
 def start_server(bundle: str, args: argparse.Namespace) -> tuple[subprocess.Popen, int]:
     cmd = [sys.executable, "-m", "runtime", "serve", bundle, "--provider", args.provider, "--port", "0",
            "--max-queue", str(args.max_queue), "--queue-timeout", "600", "--draft", args.draft, "--no-access-log",
-           "--header-timeout", str(args.header_timeout), "--body-timeout", str(args.body_timeout)]
+           *(["--block-stable"] if args.block_stable else []), "--header-timeout", str(args.header_timeout), "--body-timeout", str(args.body_timeout)]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1")
@@ -221,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--provider", default="cpu")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--draft", default="auto")
+    parser.add_argument("--block-stable", action="store_true",
+                        help="serve --block-stable: greedy answers then cannot depend on how requests interleave (README, Exactness)")
     parser.add_argument("--out", help="write the report here (JSON)")
     args = parser.parse_args(argv)
     for name in ("waves", "clients", "max_tokens"):
