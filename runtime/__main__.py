@@ -199,14 +199,7 @@ def cmd_audit(args) -> int:
     engine = _engine(args)
     prompt_ids = _prompt_ids(engine, args)
     if args.self_test:
-        runner = getattr(getattr(engine.drafter, "model", None) or engine.drafter, "runner", None)
-        if runner is None:
-            print(f"error: --self-test samples from the draft's q: drafter {args.draft!r} has no draft model", file=sys.stderr)
-            return 2
-        samples = audit.plain_samples(runner, prompt_ids, sampling, config, seed_offset=0)
-        engine.target.cache.reset()
-        law = audit.ExactLaw(engine.target, prompt_ids, sampling).rows(samples)
-        positions, detectable = audit.goodness_of_fit(samples, law, config)
+        positions, detectable = audit.self_test(engine, prompt_ids, sampling, config)
         detected = any(p.p_value <= config.threshold for p in positions)
         report = {"self_test": True, "detected": detected, "threshold": config.threshold, "detectable_tv": detectable,
                   "positions": [p.__dict__ for p in positions]}

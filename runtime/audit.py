@@ -340,6 +340,18 @@ def plain_samples(runner, prompt_ids: list[int], sampling: SamplingConfig, confi
     return np.array(rows, dtype=np.int64)
 
 
+def self_test(engine, prompt_ids: list[int], sampling: SamplingConfig, config: AuditConfig) -> tuple[list[PositionReport], float | None]:
+    """The same statistics on N samples of the draft's q instead of speculation: a test with
+    power must reject them. ValueError when the drafter has no model to sample from."""
+    drafter = getattr(engine.drafter, "model", None) or engine.drafter
+    runner = getattr(drafter, "runner", None)
+    if runner is None:
+        raise ValueError("--self-test samples from the draft's q: this drafter has no draft model")
+    samples = plain_samples(runner, prompt_ids, sampling, config, seed_offset=0)
+    engine.target.cache.reset()
+    return goodness_of_fit(samples, ExactLaw(engine.target, prompt_ids, sampling).rows(samples), config)
+
+
 def audit_exact(samples: np.ndarray, run: SampleRun, law: dict[tuple, Row], config: AuditConfig, drafter: str, gamma: str, notes=()) -> AuditReport:
     positions, detectable = goodness_of_fit(samples, law, config)
     return AuditReport("exact", drafter, gamma, config.samples, config.alpha, config.n_simulations, tuple(positions),

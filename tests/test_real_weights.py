@@ -187,15 +187,11 @@ def _audit(engine, prompt: str, drafter: str, samples: int, self_test: bool = Fa
     engine.use_drafter(drafter, gamma=4)
     ids = engine.encode(prompt=prompt)
     if self_test:
-        part = getattr(engine.drafter, "model", None) or engine.drafter
-        samples_ = audit.plain_samples(part.runner, ids, sampling, config, seed_offset=0)
-        run = audit.SampleRun(samples_, 1, samples, 1, 0)
-    else:
-        run = audit.speculative_samples(engine, ids, sampling, config)
-        samples_ = run.tokens
+        return audit.self_test(engine, ids, sampling, config)[0]
+    run = audit.speculative_samples(engine, ids, sampling, config)
     engine.target.cache.reset()
-    law = audit.ExactLaw(engine.target, ids, sampling).rows(samples_)
-    return audit.audit_exact(samples_, run, law, config, drafter, "4")
+    law = audit.ExactLaw(engine.target, ids, sampling).rows(run.tokens)
+    return audit.audit_exact(run.tokens, run, law, config, drafter, "4")
 
 
 def test_qwen_int8_pair_audit_passes_block_stable_and_tells_the_draft_from_the_target():
@@ -206,8 +202,8 @@ def test_qwen_int8_pair_audit_passes_block_stable_and_tells_the_draft_from_the_t
     report = _audit(engine, "def quicksort(xs):", "model", 300)
     assert report.exercised and report.rejections > 0, report.lines()
     assert report.passed, report.lines()
-    self_test = _audit(engine, "def quicksort(xs):", "model", 300, self_test=True)
-    assert any(p.p_value <= self_test.threshold for p in self_test.positions), self_test.lines()
+    positions = _audit(engine, "def quicksort(xs):", "model", 300, self_test=True)
+    assert any(p.p_value <= report.threshold for p in positions), positions
 
 
 def test_smollm2_layer_skip_audit_passes():
