@@ -572,7 +572,7 @@ def generation_trace(engine, prompt_ids, drafter: str, gamma: int | None, sampli
     from runtime.loop import decode_steps
 
     ADAPTIVE = GammaConfig(**ADAPTIVE_CONFIG)
-    engine.use_drafter(drafter, gamma)
+    engine.use_drafter(drafter, gamma or None)  # γ 0 names plain decoding, which the config calls drafter "none"
     engine.target.cache.reset()
     if engine.drafter is not None:
         engine.drafter.reset()
