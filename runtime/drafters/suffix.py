@@ -1,0 +1,142 @@
+"""Copying across requests: a bounded index of recent token sequences (prompts and outputs of
+earlier requests) proposes the most frequent continuation of the longest match.
+
+Agents, editors and chat sessions send the same code and text again and again; prompt lookup
+only sees the current sequence. Proposals are verified like any copied tokens, so the cache
+can only change speed, never output.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter, OrderedDict
+
+import numpy as np
+
+from runtime.drafters.prompt_lookup import PromptLookupDrafter
+
+
+class SuffixIndex:
+    """Every key_len-gram of the kept sequences maps to the positions that follow it; a lookup
+    extends each hit backwards to its match length, keeps the longest, and follows their
+    continuations while enough of them agree. Holds at most max_tokens tokens: the oldest
+    sequence is evicted first."""
+
+    def __init__(self, max_tokens: int = 1 << 18, key_len: int = 2, max_hits: int = 64, max_match: int = 32,
+                 min_support: float = 0.3, tokens_per_match: float = 4.0):
+        if (max_tokens < 1 or key_len < 1 or max_hits < 1 or max_match < key_len or not 0.0 < min_support <= 1.0
+                or tokens_per_match <= 0):
+            raise ValueError(f"bad suffix index settings: max_tokens={max_tokens}, key_len={key_len}, max_hits={max_hits}, "
+                             f"max_match={max_match}, min_support={min_support}, tokens_per_match={tokens_per_match}")
+        self.max_tokens = max_tokens
+        self.key_len = key_len
+        self.max_hits = max_hits
+        self.max_match = max_match
+        self.min_support = min_support
+        # A longer match earns a longer draft (at the shortest match as many as prompt lookup drafts).
+        self.tokens_per_match = tokens_per_match
+        self.docs: OrderedDict[int, list[int]] = OrderedDict()
+        self._digests: dict[bytes, int] = {}
+        self._index: dict[tuple[int, ...], list[tuple[int, int]]] = {}  # key -> (doc, start of continuation), oldest first
+        self.n_tokens = 0
+        self._next_doc = 0
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def add(self, tokens) -> None:
+        """Keep a finished sequence. One that extends a kept sequence (the next turn of a chat)
+        replaces it, and an exact repeat only refreshes its age, so a conversation is held once."""
+        tokens = [int(t) for t in tokens][-self.max_tokens :]
+        if len(tokens) <= self.key_len:
+            return
+        digest = self._digest(tokens)
+        if digest in self._digests:
+            self.docs.move_to_end(self._digests[digest])
+            return
+        for doc in list(self.docs)[-8:]:  # a conversation's previous turn is among the latest
+            kept = self.docs[doc]
+            if len(kept) < len(tokens) and tokens[: len(kept)] == kept:
+                self._remove(doc)
+        doc, self._next_doc = self._next_doc, self._next_doc + 1
+        self.docs[doc] = tokens
+        self._digests[digest] = doc
+        self.n_tokens += len(tokens)
+        for start in range(self.key_len, len(tokens)):
+            self._index.setdefault(tuple(tokens[start - self.key_len : start]), []).append((doc, start))
+        while self.n_tokens > self.max_tokens:
+            self._remove(next(iter(self.docs)))
+
+    def _digest(self, tokens: list[int]) -> bytes:
+        return hashlib.blake2b(np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
+
+    def _remove(self, doc: int) -> None:
+        tokens = self.docs.pop(doc)
+        self.n_tokens -= len(tokens)
+        self._digests.pop(self._digest(tokens), None)
+        for start in range(self.key_len, len(tokens)):
+            key = tuple(tokens[start - self.key_len : start])
+            hits = [hit for hit in self._index[key] if hit[0] != doc]
+            if hits:
+                self._index[key] = hits
+            else:
+                del self._index[key]
+
+    def continuation(self, context, limit: int, live=None) -> tuple[list[int], int]:
+        """Up to `limit` tokens to follow `context`, and the match length they rest on (0: no
+        match). `live`: the current sequence, searched too (as prompt lookup does) except for
+        its own final suffix."""
+        context = np.asarray(context, dtype=np.int64)
+        if limit < 1 or len(context) < self.key_len:
+            return [], 0
+        key = tuple(int(t) for t in context[-self.key_len :])
+        sources = [(self.docs[doc], start) for doc, start in self._index.get(key, ())[-self.max_hits :]]
+        if live is not None:
+            live = np.asarray(live, dtype=np.int64)
+            n = self.key_len
+            if len(live) > n:
+                windows = np.lib.stride_tricks.sliding_window_view(live[: len(live) - 1], n)
+                starts = np.flatnonzero((windows == context[-n:]).all(axis=1)) + n
+                live_list = live.tolist()
+                sources += [(live_list, int(s)) for s in starts[-self.max_hits :]]
+        if not sources:
+            return [], 0
+        tail = context[-self.max_match :][::-1].tolist()  # newest first
+        lengths = [self._match_length(seq, start, tail) for seq, start in sources]
+        best = max(lengths)
+        # Most recent first: on equal counts the latest text wins, as in prompt lookup.
+        runs = [(seq, start) for (seq, start), n in zip(reversed(sources), reversed(lengths)) if n == best]
+        out: list[int] = []
+        n_runs = len(runs)
+        for depth in range(min(limit, int(np.ceil(self.tokens_per_match * best)))):
+            counts = Counter(seq[start + depth] for seq, start in runs if start + depth < len(seq))
+            if not counts:
+                break
+            token, count = max(counts.items(), key=lambda item: item[1])  # max keeps the first (latest) on ties
+            # count / n_runs estimates how often the whole continuation so far came next.
+            if count < self.min_support * n_runs:
+                break
+            out.append(token)
+            runs = [(seq, start) for seq, start in runs if start + depth < len(seq) and seq[start + depth] == token]
+        return out, best
+
+    def _match_length(self, seq: list[int], start: int, tail: list[int]) -> int:
+        n = 0
+        while n < len(tail) and start - 1 - n >= 0 and seq[start - 1 - n] == tail[n]:
+            n += 1
+        return n
+
+
+class SuffixDrafter(PromptLookupDrafter):
+    """Prompt lookup over this sequence and the engine's suffix index of earlier requests."""
+
+    name = "suffix"
+
+    def __init__(self, index: SuffixIndex):
+        super().__init__(min_ngram=index.key_len)
+        self.index = index
+
+    def find(self, tokens, gamma):
+        tokens = np.asarray(tokens, dtype=np.int64)
+        drafted, _ = self.index.continuation(tokens, gamma, live=tokens)
+        return np.asarray(drafted, dtype=np.int64)

@@ -1,0 +1,79 @@
+"""The suffix index: longest match, most frequent continuation, bounded memory, one copy per conversation."""
+
+import numpy as np
+import pytest
+
+from runtime.drafters.prompt_lookup import PromptLookupDrafter
+from runtime.drafters.suffix import SuffixDrafter, SuffixIndex
+
+
+def test_longest_match_wins_over_more_frequent_shorter_ones():
+    index = SuffixIndex()
+    index.add([7, 8, 1, 2, 3, 40, 41])  # matches the context on 3 tokens
+    for _ in range(3):
+        index.add([9, 2, 3, 50, 51, int(np.random.default_rng(_).integers(100, 200))])  # on 2 only, three times
+    drafted, matched = index.continuation([5, 1, 2, 3], 8)
+    assert matched == 3 and drafted[:2] == [40, 41]
+
+
+def test_most_frequent_continuation_of_equal_matches_until_they_disagree():
+    index = SuffixIndex(min_support=0.5)
+    index.add([1, 2, 10, 11, 12, 13])
+    index.add([3, 2, 10, 11, 12, 14])
+    index.add([4, 2, 10, 11, 99, 98])
+    # Every hit matches on (2, 10) only; 11 is unanimous, 12 has 2 of 3, then 13 vs 14 is 1 of 3 each.
+    drafted, matched = index.continuation([0, 2, 10], 8)
+    assert matched == 2 and drafted == [11, 12]
+
+
+def test_draft_length_grows_with_match_length():
+    index = SuffixIndex(tokens_per_match=1.0)
+    index.add(list(range(100)))
+    assert index.continuation([0, 5, 6], 50) == ([7, 8], 2)
+    drafted, matched = index.continuation(list(range(10, 20)), 50)
+    assert matched == 10 and drafted == list(range(20, 30))
+
+
+def test_the_current_sequence_is_searched_too():
+    index = SuffixIndex()
+    live = [1, 2, 3, 4, 9, 9, 2, 3]
+    assert index.continuation(live, 4, live=live) == ([4, 9, 9, 2], 2)
+    assert index.continuation(live, 4) == ([], 0)
+
+
+def test_memory_is_bounded_and_the_oldest_goes_first():
+    index = SuffixIndex(max_tokens=100, min_support=0.1)
+    for i in range(30):
+        index.add([1000 + i, 5, 6, 2000 + i, 7, 8, 9, 10, 11, 12])
+    assert index.n_tokens <= 100 and len(index) == 10
+    assert min(index.docs) == 20  # the ten newest
+    keys = sum(len(hits) for hits in index._index.values())
+    assert keys == 10 * 8  # no stale entries left behind for evicted sequences
+    drafted, _ = index.continuation([3, 5, 6], 1)
+    assert drafted == [2029]  # equal counts: the latest wins
+
+
+def test_next_turn_of_a_conversation_replaces_the_previous_and_repeats_are_kept_once():
+    index = SuffixIndex()
+    turn1 = [1, 2, 3, 4, 5, 6]
+    index.add(turn1)
+    index.add(turn1)
+    assert len(index) == 1 and index.n_tokens == 6
+    index.add(turn1 + [7, 8, 9])
+    assert len(index) == 1 and index.n_tokens == 9
+    assert index.continuation([0, 3, 4], 3) == ([5, 6, 7], 2)
+
+
+def test_drafter_copies_across_requests_where_prompt_lookup_finds_nothing():
+    index = SuffixIndex()
+    index.add([11, 12, 13, 14, 15, 16, 17])
+    tokens = np.array([20, 21, 13, 14])
+    assert len(PromptLookupDrafter().find(tokens, 4)) == 0
+    assert SuffixDrafter(index).find(tokens, 4).tolist() == [15, 16, 17]
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError, match="max_tokens=0"):
+        SuffixIndex(max_tokens=0)
+    with pytest.raises(ValueError, match="min_support"):
+        SuffixIndex(min_support=0.0)
