@@ -230,7 +230,13 @@ def cmd_audit(args) -> int:
 def cmd_bench(args) -> int:
     from pathlib import Path
 
-    from runtime.bench import BenchConfig, MicroConfig, load_prompts, render_report, run_bench, run_micro, save_micro, save_results
+    try:  # the benchmark lives in the repository's benchmarks/, outside the installed package
+        from benchmarks.bench import BenchConfig, MicroConfig, load_prompts, render_report, run_bench, run_micro, save_micro, save_results
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("benchmarks", "benchmarks.bench"):
+            raise
+        raise ValueError("`bench` runs from a checkout of the repository: its benchmarks/ folder is not part of the installed "
+                         "package; run it from the checkout's root (or with it on PYTHONPATH)") from None
 
     out = Path(args.out)
     if args.micro:
