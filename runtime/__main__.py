@@ -395,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="time single passes instead: target T=1..16, one draft step per role, memory-bandwidth floor")
     bench.add_argument("--kv-len", type=_integer(1), default=512, help="--micro: rows already in the KV cache (default 512)")
     bench.add_argument("--quiet", action="store_true", help="no progress line per run on stderr")
-    bench.add_argument("--out", required=True, type=_new_folder, help="folder for results.json / micro.json, report.md and PNGs")
+    bench.add_argument("--out", required=True, type=_new_folder, help="folder for results.json + summary.json / micro.json, report.md and PNGs")
     bench.set_defaults(func=cmd_bench)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
