@@ -5,7 +5,10 @@ python -m benchmarks activations MODEL [--out FILE.json]
 python -m benchmarks greedy_stability BUNDLE... [--prompts SPEC] [--tokens N] [--modes M] [--out FILE.json]
 python -m benchmarks block_stable_cost BUNDLE [--prompts SPEC] [--tokens N] [--drafters none,auto] [--out FILE.json]
 python -m benchmarks gpu_check --out DIR [--bundle DIR] [--reference DIR] ... (benchmarks/gpu_check.py)
-python -m benchmarks load_run BUNDLE [--waves 3] [--clients 32] [--slow 10] [--oversized 4] [--out FILE.json]"""
+python -m benchmarks load_run BUNDLE [--waves 3] [--clients 32] [--slow 10] [--oversized 4] [--out FILE.json]
+python -m benchmarks summary DIR... (summary.json from each DIR/results.json of `python -m runtime bench`)
+
+The decode bench itself is `python -m runtime bench` (benchmarks/bench/)."""
 
 from __future__ import annotations
 
@@ -58,8 +61,19 @@ def main() -> int:
     cost.add_argument("--tokens", type=int, default=128)
     cost.add_argument("--drafters", default="none,auto", help="comma-separated: none (plain), auto, model, lookup, layer-skip")
     cost.add_argument("--out", help="write the result as JSON here")
+    summary = sub.add_parser("summary", help="summary.json (what BENCHMARKS.md cites) from each DIR/results.json")
+    summary.add_argument("folders", nargs="+", metavar="DIR")
     args = parser.parse_args()
 
+    if args.command == "summary":
+        from benchmarks.bench.summary import RESULTS_FILE, write_summary
+
+        missing = [folder for folder in args.folders if not (Path(folder) / RESULTS_FILE).is_file()]
+        if missing:
+            parser.error(f"no {RESULTS_FILE} in {', '.join(missing)}")
+        for folder in args.folders:
+            print(write_summary(Path(folder)))
+        return 0
     if args.command == "activations":
         from benchmarks.activations import measure
 

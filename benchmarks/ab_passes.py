@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from runtime.bench import PassTimer
+from benchmarks.bench import PassTimer
 from runtime.engine import Engine, EngineConfig
 
 

@@ -13,7 +13,7 @@ import numpy as np
 
 
 def run(bundle: str, prompts_spec: str, n_tokens: int, drafters: list[str]) -> dict:
-    from runtime.bench import load_prompts
+    from benchmarks.bench import load_prompts
     from runtime.engine import Engine, EngineConfig, GenerateConfig
 
     engines = {mode: Engine(bundle, EngineConfig(drafter="auto", block_stable=mode == "on")) for mode in ("off", "on")}

@@ -118,7 +118,7 @@ def run(out: Path, model: str, bundle: Path | None, reference: Path | None, quan
 
     from edge_spec.manifest import load_manifest
     from edge_spec.placement import check_bundle
-    from runtime.bench import BenchConfig, MicroConfig, load_prompts, run_bench, run_micro
+    from benchmarks.bench import BenchConfig, MicroConfig, load_prompts, run_bench, run_micro
     from runtime.engine import Engine, EngineConfig
     from runtime.sessions import PROVIDERS
 

@@ -80,7 +80,7 @@ def summarize(per_prompt: list[dict[int, dict]]) -> dict:
 
 
 def run(bundles: list[str], prompts_spec: str, n_tokens: int, modes: tuple[str, ...] = ("default", "block_stable"), delta_prompts: int = 4) -> dict:
-    from runtime.bench import load_prompts
+    from benchmarks.bench import load_prompts
     from runtime.engine import Engine, EngineConfig
 
     results = {}

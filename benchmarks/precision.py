@@ -16,7 +16,7 @@ def compare(model: str, bundles: list[str], n_prompts: int) -> dict:
     import torch
 
     from export.sources import load_checkpoint
-    from runtime.bench import load_prompts
+    from benchmarks.bench import load_prompts
     from runtime.engine import Engine, EngineConfig
 
     checkpoint = load_checkpoint(model)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import runtime.sessions as sessions
 from benchmarks.ab_passes import time_alternately
-from runtime.bench import PassTimer
+from benchmarks.bench import PassTimer
 from runtime.engine import Engine, EngineConfig
 
 

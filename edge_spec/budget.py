@@ -8,8 +8,9 @@ Every factor below was measured from /proc/self/status (VmRSS, VmHWM, RssAnon, R
 and after each step of a load and of forward passes, on Linux x86-64 with Python 3.11, numpy
 2.4.6, onnxruntime 1.32.0 and tokenizers 0.23.3, for Qwen2.5-Coder 1.5B + 0.5B (int4, int8;
 portable and fused attention), SmolLM2-135M (fp32) and a random 4-layer hidden-1024 Llama
-(fp32, fp16, int8, int4). The plan is the peak of a full context: the OS backs the KV buffers
-lazily, so a short conversation stays below it.
+(fp32, fp16, int8, int4); the measurements are in BENCHMARKS.md, "The planner's factors". The
+plan is the peak of a full context: the OS backs the KV buffers lazily, so a short conversation
+stays below it.
 """
 
 from __future__ import annotations
@@ -25,11 +26,9 @@ from edge_spec.profiles import PROFILES
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 
 # Python + numpy + onnxruntime + tokenizers + the runtime package (and the server's starlette
-# and uvicorn) imported: VmRSS 67.6 MiB; ONNX Runtime's environment and thread pools add 9.7
-# MiB when the first session is made (measured with a one-node graph).
+# and uvicorn) imported, plus ONNX Runtime's environment and thread pools (BENCHMARKS.md).
 RUNTIME_BYTES = 78 * MiB
-# tokenizers holds tokenizer.json as Rust maps of its vocabulary and merges: 9.4x the file
-# (Qwen2.5: 10.9 MiB file, 103 MiB resident), 8.8x (SmolLM2).
+# tokenizers holds tokenizer.json as Rust maps of its vocabulary and merges (BENCHMARKS.md).
 TOKENIZER_FACTOR = 9.5
 TOKENIZER_BYTES_PER_TOKEN = 720  # the same, per vocabulary entry, for export (no file yet)
 
@@ -42,21 +41,18 @@ _FLOAT_BYTES = {"fp16": 2, "fp32": 4}
 KV_ITEM_BYTES = {"float32": 4, "float16": 2}
 DRAFTER_ROLES = {"none": None, "lookup": None, "model": "draft", "layer-skip": "layer_skip"}  # "auto": default_draft
 
-# fp32 MatMul weights are packed by MLAS into column panels and the original released: +2%.
+# fp32 MatMul weights are packed by MLAS into column panels and the original released (BENCHMARKS.md).
 _FP32_PACKING = 1.02
 # The CPU provider has no float16 MatMul on x86: ORT folds the Casts into float32 copies of the
-# weights at load: 2.7x the stored float16 layers, 2.0x the stored head. fp16 loads heavier
-# than fp32 on the CPU.
+# weights at load (BENCHMARKS.md), so fp16 loads heavier than fp32 on the CPU.
 _FP16_LAYERS, _FP16_HEAD = 2.7, 2.0
 # The embedding table stays memory-mapped: a row is read in only when a token uses it, with
-# the 64 KiB around it (the kernel's fault-around), in the data and in the scales. A 2048-token
-# context of code held 635 distinct tokens, which mapped 28.6 MiB of Qwen2.5's 139 MiB table:
-# 14 KiB per position, planned as 16 KiB. These pages are clean: the kernel may drop them.
+# the 64 KiB around it (the kernel's fault-around), in the data and in the scales; per position
+# as measured on a context of code (BENCHMARKS.md). These pages are clean: the kernel may drop them.
 EMBED_BYTES_PER_POSITION = 16 * KiB
 # Activations one stage session keeps in its arena after passes of T tokens, per pass shape:
 # about 10 hidden-size tensors, 0.9 of an MLP intermediate and 1.3 of the block's own
-# [heads, T, T] scores (fitted: fused Qwen 1.5B 53.2 MiB, 0.5B 35 MiB, the random Llama 26
-# MiB per session at T=256, each within 3%). Portable attention also materializes scores over
+# [heads, T, T] scores (fitted, BENCHMARKS.md). Portable attention also materializes scores over
 # the whole static buffer, [heads, T, max_context] float32, about 3.2 times at once. Doubled:
 # ORT's arena keeps the first pass's buffers and the second pass of a shape allocates its
 # memory pattern as one block of its own; a third adds nothing.
@@ -148,8 +144,8 @@ class StoredWeights:
         MatMulNBits (int4/int8): the data is prepacked and the original released; the block
         scales are copied into the packed weight, block sums are added beside them, and the
         original scales stay memory-mapped (the kernel reads them): data + 3x scales, 1.40x
-        the stored int4 bytes and 1.22x int8 (measured 1.398 and 1.221 on Qwen's layers). The
-        head's prepack scratch, one more scales' worth, stays in its session's arena."""
+        the stored int4 bytes and 1.22x int8 (what was measured: BENCHMARKS.md). The head's
+        prepack scratch, one more scales' worth, stays in its session's arena."""
         if self.quant in _BITS:
             per_weight = matmul_bytes_per_weight(self.quant)
             factor = (per_weight + 2 * _SCALE) / per_weight

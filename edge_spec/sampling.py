@@ -90,7 +90,7 @@ def _top_p_removal_large(row: np.ndarray, top_p: float) -> np.ndarray | None:
     descending logit and, among equal logits, descending id (the order in which the stable
     ascending sort below drops the lower id first). When the cut falls strictly inside the
     most likely candidates, everything outside them is removed too; otherwise returns None
-    and the caller sorts the whole row. Sorting 150k logits per row costs ~50 ms; this ~5 ms.
+    and the caller sorts the whole row, which costs several times more (BENCHMARKS.md, "Sampling").
     """
     vocab_size = row.shape[0]
     candidates = np.argpartition(-row, _TOP_P_CANDIDATES)[:_TOP_P_CANDIDATES]  # [C]

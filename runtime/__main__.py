@@ -230,7 +230,13 @@ def cmd_audit(args) -> int:
 def cmd_bench(args) -> int:
     from pathlib import Path
 
-    from runtime.bench import BenchConfig, MicroConfig, load_prompts, render_report, run_bench, run_micro, save_micro, save_results
+    try:  # the benchmark lives in the repository's benchmarks/, outside the installed package
+        from benchmarks.bench import BenchConfig, MicroConfig, load_prompts, render_report, run_bench, run_micro, save_micro, save_results
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("benchmarks", "benchmarks.bench"):
+            raise
+        raise ValueError("`bench` runs from a checkout of the repository: its benchmarks/ folder is not part of the installed "
+                         "package; run it from the checkout's root (or with it on PYTHONPATH)") from None
 
     out = Path(args.out)
     if args.micro:
@@ -389,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="time single passes instead: target T=1..16, one draft step per role, memory-bandwidth floor")
     bench.add_argument("--kv-len", type=_integer(1), default=512, help="--micro: rows already in the KV cache (default 512)")
     bench.add_argument("--quiet", action="store_true", help="no progress line per run on stderr")
-    bench.add_argument("--out", required=True, type=_new_folder, help="folder for results.json / micro.json, report.md and PNGs")
+    bench.add_argument("--out", required=True, type=_new_folder, help="folder for results.json + summary.json / micro.json, report.md and PNGs")
     bench.set_defaults(func=cmd_bench)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")

@@ -12,7 +12,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -98,10 +98,18 @@ class GenerationResult:
     timings: dict
     stats: dict
     rounds: tuple[tuple[int, int], ...] = ()  # (drafted, accepted) per target pass, in order
+    steps: tuple[Step, ...] = ()  # what the loop yielded, one per target pass, in order
 
 
 class Engine:
-    def __init__(self, bundle_path: str | Path, config: EngineConfig = EngineConfig()):
+    def __init__(self, bundle_path: str | Path, config: EngineConfig = EngineConfig(),
+                 session_hook: Callable[[str, object], object] | None = None):
+        """session_hook: for measurement tools (benchmarks/bench/timing.py), None in the product.
+        Called once per stage session as it opens, with the stage key and the session (an ONNX
+        Runtime InferenceSession or a Core ML stand-in); the Engine runs what it returns in its
+        place, which must answer everything the session does (run, run_with_iobinding,
+        io_binding, get_inputs, ...), typically by forwarding to it."""
+        self._session_hook = session_hook
         if config.drafter not in DRAFTERS:
             raise ValueError(f"unknown drafter {config.drafter!r} (choose from {', '.join(DRAFTERS)})")
         self.config = config
@@ -193,6 +201,7 @@ class Engine:
         stages = [manifest.stages[key] for key in info.stages]
         sessions = []
         for key, stage in zip(info.stages, stages):
+            opening = key not in self._sessions
             if key not in self._sessions and self._runs_coreml_package(key, stage, group):
                 from runtime.coreml_backend import load_session
 
@@ -207,6 +216,8 @@ class Engine:
                 if reason:  # later stages of the group go straight to the CPU
                     self.provider_choices[group] = dataclasses.replace(choice, provider="cpu", fallback_from=choice.provider, reason=reason)
                 self._sessions[key] = session
+            if opening and self._session_hook is not None:
+                self._sessions[key] = self._session_hook(key, self._sessions[key])
             sessions.append(self._sessions[key])
         owner = info.shares_kv_with or role
         if owner not in self._caches:
@@ -406,7 +417,7 @@ class Engine:
             "decode_tokens_per_s": len(generated) / decode_s,
         }
         rounds = tuple((s.n_drafted, s.n_accepted) for s in steps)
-        return GenerationResult(text, list(prompt_ids), generated, stop_reason or "length", timings, stats, rounds)
+        return GenerationResult(text, list(prompt_ids), generated, stop_reason or "length", timings, stats, rounds, tuple(steps))
 
 
 __all__ = ["Engine", "EngineConfig", "GenerateConfig", "GenerationResult", "BundleError", "PromptTooLongError"]

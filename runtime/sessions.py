@@ -184,10 +184,9 @@ def session_options(provider: str, config: SessionConfig) -> ort.SessionOptions:
     if config.threads:
         options.intra_op_num_threads = config.threads
     # Each session owns a pool, and stages and roles run one after another on the same cores.
-    # Spinning inside a run wakes the workers fast for each of a pass's ~100 parallel kernels;
+    # Spinning inside a run wakes the workers fast for each of a pass's parallel kernels;
     # stopping it when the run returns keeps a pool from stealing the cores from the next
-    # session (spinning on without the stop: 7.7 tok/s; off: 12.6; on with the stop: a 1-token
-    # pass 9.7% faster than off; Qwen 1.5B int4, 2 cores, BENCHMARKS.md).
+    # session (measured: BENCHMARKS.md, "The performance push", the two spinning rows).
     options.add_session_config_entry("session.intra_op.allow_spinning", "1")
     options.add_session_config_entry("session.force_spinning_stop", "1")
     # Static KV: inputs keep their shapes, so ORT's memory-pattern planner helps on CPU; the

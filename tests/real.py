@@ -107,6 +107,6 @@ def bundle(name: str) -> Path:
 
 def humaneval_messages(count: int) -> list[list[dict]]:
     """The bench's HumanEval chat prompts, so tests and BENCHMARKS.md speak of the same text."""
-    from runtime.bench import load_prompts
+    from benchmarks.bench import load_prompts
 
     return [list(p.messages) for p in load_prompts(f"humaneval:{count}")]

@@ -1,5 +1,6 @@
-"""`python -m runtime bench` on a tiny bundle: the results schema and its arithmetic, the report
-and plots, prompts-file validation, and the --micro pass timings and bandwidth floor."""
+"""`python -m runtime bench` (benchmarks/bench/) on a tiny bundle: the results schema and its
+arithmetic, the committed summary, the report and plots, prompts-file validation, and the
+--micro pass timings and bandwidth floor."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.bench import BenchConfig, PromptsError, load_prompts, run_bench
 from runtime.__main__ import main
-from runtime.bench import BenchConfig, PromptsError, load_prompts, run_bench
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("plain", "lookup", "model")
@@ -121,6 +122,36 @@ def test_results_summary(bench_out):
     assert "median over prompts" in results["definitions"]["speedup"]
 
 
+def test_committed_summary(bench_out, tmp_path):
+    """summary.json: results.json without its runs, plus the spreads BENCHMARKS.md cites from them;
+    `python -m benchmarks summary` writes the same from a results.json alone."""
+    results = json.loads((bench_out / "results.json").read_text())
+    summary = json.loads((bench_out / "summary.json").read_text())
+    assert "runs" not in summary and summary["summary"] == results["summary"] and summary["verify_cost"] == results["verify_cost"]
+    runs = results["runs"]
+    for mode in MODES:
+        assert list(summary["pairs"][mode]) == ["code", "story", "all"]
+        for category, pair in summary["pairs"][mode].items():
+            rows = [r for r in runs if r["mode"] == mode and category in (r["category"], "all")]
+            spread = pair["speedup_spread"]
+            assert spread["min"] == min(r["speedup"] for r in rows) and spread["max"] == max(r["speedup"] for r in rows)
+            assert spread["min"] <= spread["q1"] <= spread["q3"] <= spread["max"]
+            t1 = [r["target_pass_ms"]["1"] for r in rows if "1" in r["target_pass_ms"]]  # none where every round drafted
+            assert (pair["target_t1_ms"] and pair["target_t1_ms"]["median"]) == (pytest.approx(statistics.median(t1)) if t1 else None)
+            assert pair["sequences_under_1_1_tokens_per_pass"] == sum(r["tokens_per_pass"] < 1.1 for r in rows)
+            assert sum(pair["drafter_rounds"].values()) == sum(r["target_passes"] for r in rows)
+    assert set(summary["speedup_by_prompt"]) == set(MODES) - {"plain"}
+    for mode, prompts in summary["speedup_by_prompt"].items():
+        assert prompts == {p["id"]: [r["speedup"] for r in sorted(runs, key=lambda r: r["repeat"]) if r["mode"] == mode and r["prompt_id"] == p["id"]]
+                           for p in PROMPTS}
+    folder = tmp_path / "again"
+    folder.mkdir()
+    (folder / "results.json").write_text((bench_out / "results.json").read_text())
+    done = subprocess.run([sys.executable, "-m", "benchmarks", "summary", str(folder)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (folder / "summary.json").read_text() == (bench_out / "summary.json").read_text()
+
+
 def test_report_and_plots(bench_out):
     report = (bench_out / "report.md").read_text()
     for mode in MODES:
@@ -210,7 +241,7 @@ def test_cli_prompt_errors(llama_bundle, tmp_path, capsys):
 
 def test_bench_module_is_light():
     """The runtime loads bench without matplotlib: plots import it only when drawn."""
-    script = "import sys, runtime.bench, runtime.__main__\nprint('matplotlib' in sys.modules)"
+    script = "import sys, benchmarks.bench, runtime.__main__\nprint('matplotlib' in sys.modules)"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

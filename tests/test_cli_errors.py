@@ -193,6 +193,20 @@ def test_bench_out_an_existing_file(tmp_path, llama_bundle):
     assert (tmp_path / "f").read_text() == "keep"
 
 
+def test_bench_without_the_benchmarks_folder(tmp_path, llama_bundle):
+    """Installed from a wheel the runtime has no benchmarks/: `bench` says where it runs from."""
+    installed = tmp_path / "site"
+    installed.mkdir()
+    for package in ("edge_spec", "runtime"):
+        (installed / package).symlink_to(ROOT / package)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(installed))
+    proc = subprocess.run([sys.executable, "-m", "runtime", "bench", str(llama_bundle), "--out", str(tmp_path / "out")],
+                          cwd=installed, env=env, capture_output=True, text=True, timeout=120)
+    line = _error_line(proc, only_line=True)
+    assert "checkout of the repository" in line and "benchmarks/" in line
+    assert not (tmp_path / "out").exists()
+
+
 def _edited(llama_bundle, tmp_path, edit) -> Path:
     copy = tmp_path / "edited"
     shutil.copytree(llama_bundle, copy)

@@ -31,6 +31,13 @@ def test_runtime_imports_are_light():
     assert _heavy(modules) == []
 
 
+def test_runtime_never_imports_benchmarks():
+    """benchmarks/ is not in the wheel: the runtime and its command line load without it."""
+    modules = _modules_after("import runtime, runtime.engine, runtime.__main__, runtime.audit, runtime.api, runtime.handoff")
+    assert "runtime.__main__" in modules
+    assert sorted(m for m in modules if m.split(".")[0] == "benchmarks") == []
+
+
 def test_generating_stays_light(llama_bundle):
     code = (
         "from runtime.engine import Engine, EngineConfig, GenerateConfig\n"

@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from runtime.bench import load_prompts  # noqa: E402
+from benchmarks.bench import load_prompts  # noqa: E402
 from runtime.engine import Engine, EngineConfig, GenerateConfig  # noqa: E402
 from edge_spec.catalog import models_dir  # noqa: E402
 
