@@ -248,7 +248,7 @@ def cmd_bench(args) -> int:
         config = BenchConfig(
             modes=tuple(modes), max_new_tokens=args.max_new_tokens, repeat=args.repeat,
             gamma=None if args.gamma == "auto" else int(args.gamma), max_gamma=args.max_gamma,
-            provider=args.provider, threads=args.threads,
+            provider=args.provider, threads=args.threads, temperature=args.temperature, top_p=args.top_p, seeds=args.seeds,
         )
         log = (lambda line: None) if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
         save_results(run_bench(args.bundle, load_prompts(args.prompts), config, log=log), out)
@@ -383,12 +383,15 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = sub.add_parser("bench", help="decode benchmark of several modes, side by side; writes JSON, Markdown and plots")
     bench.add_argument("bundle")
-    bench.add_argument("--prompts", default="humaneval:20", help="FILE.jsonl or humaneval[:N]; several, comma-separated")
+    bench.add_argument("--prompts", default="humaneval:20", help="FILE.jsonl, humaneval[:N], humaneval:A-B or stdlib-edit:N; several, comma-separated")
     bench.add_argument("--modes", default="plain,model,lookup,layer-skip,auto", help="comma-separated (plain is always run)")
     bench.add_argument("--max-new-tokens", type=_integer(1), default=128)
     bench.add_argument("--repeat", type=_integer(1), default=1, help="passes over all prompts, interleaved")
     bench.add_argument("--gamma", type=_gamma, default="auto", help="auto (adaptive) or a fixed draft length")
     bench.add_argument("--max-gamma", type=_integer(1, MAX_GAMMA), default=8)
+    bench.add_argument("--temperature", type=_number(0.0), default=0.0, help="0 (default): greedy; above 0: sampled, once per seed")
+    bench.add_argument("--top-p", type=_number(0.0, 1.0, low_open=True), default=1.0, help="with --temperature (default 1.0)")
+    bench.add_argument("--seeds", type=_integer(1), default=1, help="with --temperature: runs per prompt and mode, seeds 0..N-1")
     bench.add_argument("--provider", default="auto", help="auto|cpu|cuda|dml|coreml (default auto)")
     bench.add_argument("--threads", type=_integer(0, 1024), default=0)
     bench.add_argument("--micro", action="store_true",

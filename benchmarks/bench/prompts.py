@@ -1,5 +1,6 @@
-"""Bench prompts: FILE.jsonl (one object a line: id, category, and prompt or messages) or
-humaneval[:N] from $EDGE_SPEC_MODELS, several separated by commas."""
+"""Bench prompts: FILE.jsonl (one object a line: id, category, and prompt, messages or turns),
+humaneval[:N] or humaneval:A-B from $EDGE_SPEC_MODELS, or stdlib-edit:N (functions of this
+Python's standard library to annotate), several separated by commas."""
 
 from __future__ import annotations
 
@@ -24,29 +25,51 @@ class BenchPrompt:
     category: str
     prompt: str | None = None
     messages: tuple | None = None
+    # A conversation: user turns, each answered before the next is asked (the bench answers
+    # with plain decoding's reply, so every mode sees the same history).
+    turns: tuple[str, ...] | None = None
 
 
 def _humaneval(spec: str) -> list[BenchPrompt]:
-    count = HUMANEVAL_DEFAULT_COUNT
+    first, count = 0, HUMANEVAL_DEFAULT_COUNT
     if spec != "humaneval":
         text = spec.split(":", 1)[1] if spec.startswith("humaneval:") else ""
-        if not text.isdigit() or int(text) < 1:
-            raise PromptsError(f"bad prompts spec {spec!r}: use humaneval or humaneval:N with N a positive integer")
-        count = int(text)
+        low, dash, high = text.partition("-")
+        if dash and low.isdigit() and high.isdigit() and int(low) < int(high):
+            first, count = int(low), int(high) - int(low)
+        elif not dash and text.isdigit() and int(text) >= 1:
+            count = int(text)
+        else:
+            raise PromptsError(f"bad prompts spec {spec!r}: use humaneval, humaneval:N (the first N problems) "
+                               "or humaneval:A-B (problems A to B-1, from 0)")
     path = models_dir() / HUMANEVAL_FILE
     if not path.is_file():
         raise PromptsError(f"{path} not found: put {HUMANEVAL_FILE} in $EDGE_SPEC_MODELS, or pass a prompts file")
     prompts = []
     with gzip.open(path, "rt") as f:
-        for line in f:
+        for number, line in enumerate(f):
+            if number < first:
+                continue
             item = json.loads(line)
             content = f"Complete this Python function. Reply with the full function only.\n\n```python\n{item['prompt']}```"
             prompts.append(BenchPrompt(item["task_id"], "code", messages=({"role": "user", "content": content},)))
             if len(prompts) == count:
                 break
     if len(prompts) < count:
-        raise PromptsError(f"{spec}: {path} holds only {len(prompts)} problems")
+        raise PromptsError(f"{spec}: {path} holds only {first + len(prompts)} problems")
     return prompts
+
+
+def _stdlib_edits(spec: str) -> list[BenchPrompt]:
+    from benchmarks.bench.stdlib_edits import stdlib_edit_prompts
+
+    text = spec.split(":", 1)[1] if ":" in spec else ""
+    if not text.isdigit() or int(text) < 1:
+        raise PromptsError(f"bad prompts spec {spec!r}: use stdlib-edit:N with N a positive integer")
+    items = stdlib_edit_prompts(int(text))
+    if len(items) < int(text):
+        raise PromptsError(f"{spec}: this Python's standard library has only {len(items)} functions that qualify")
+    return [BenchPrompt(item["id"], item["category"], messages=tuple(item["messages"])) for item in items]
 
 
 def _check_messages(messages, where: str) -> tuple:
@@ -72,9 +95,16 @@ def _prompt_from_line(line: str, where: str) -> BenchPrompt:
         raise PromptsError(f"{where}: 'id' must be a non-empty string or an integer")
     if not isinstance(item["category"], str) or not item["category"]:
         raise PromptsError(f"{where}: 'category' must be a non-empty string")
-    has_prompt, has_messages = "prompt" in item, "messages" in item
-    if has_prompt == has_messages:
-        raise PromptsError(f"{where}: give exactly one of 'prompt' (raw text) or 'messages' (chat), not {'both' if has_prompt else 'neither'}")
+    given = [key for key in ("prompt", "messages", "turns") if key in item]
+    if len(given) != 1:
+        raise PromptsError(f"{where}: give exactly one of 'prompt' (raw text), 'messages' (chat) or 'turns' (a conversation), "
+                           f"not {' and '.join(given) if given else 'none'}")
+    has_prompt = given == ["prompt"]
+    if given == ["turns"]:
+        turns = item["turns"]
+        if not isinstance(turns, list) or len(turns) < 2 or not all(isinstance(t, str) and t for t in turns):
+            raise PromptsError(f"{where}: 'turns' must be a list of at least two non-empty strings (the user's messages)")
+        return BenchPrompt(str(item["id"]), item["category"], turns=tuple(turns))
     if has_prompt:
         if not isinstance(item["prompt"], str) or not item["prompt"]:
             raise PromptsError(f"{where}: 'prompt' must be a non-empty string")
@@ -85,7 +115,7 @@ def _prompt_from_line(line: str, where: str) -> BenchPrompt:
 def _prompts_file(spec: str) -> list[BenchPrompt]:
     path = Path(spec)
     if not path.is_file():
-        raise PromptsError(f"prompts file {path} not found (pass FILE.jsonl or humaneval[:N])")
+        raise PromptsError(f"prompts file {path} not found (pass FILE.jsonl, humaneval[:N], humaneval:A-B or stdlib-edit:N)")
     prompts = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if line.strip():
@@ -96,13 +126,22 @@ def _prompts_file(spec: str) -> list[BenchPrompt]:
 
 
 def load_prompts(spec: str) -> list[BenchPrompt]:
-    """FILE.jsonl (one object a line: id, category, and prompt or messages) or humaneval[:N]
-    (chat "complete this function", category "code"); several, separated by commas."""
+    """FILE.jsonl (one object a line: id, category, and prompt, messages or turns), humaneval[:N]
+    or humaneval:A-B (chat "complete this function", category "code"), or stdlib-edit:N
+    (category "edit"); several, separated by commas."""
     prompts, seen = [], {}
     for part in (p.strip() for p in spec.split(",")):
         if not part:
             raise PromptsError(f"empty entry in prompts spec {spec!r}")
-        for prompt in _humaneval(part) if part.startswith("humaneval") and not Path(part).is_file() else _prompts_file(part):
+        if Path(part).is_file():
+            found = _prompts_file(part)
+        elif part.startswith("humaneval"):
+            found = _humaneval(part)
+        elif part.startswith("stdlib-edit"):
+            found = _stdlib_edits(part)
+        else:
+            found = _prompts_file(part)
+        for prompt in found:
             if prompt.id in seen:
                 raise PromptsError(f"prompt id {prompt.id!r} appears twice (in {seen[prompt.id]} and {part}); ids must be unique")
             seen[prompt.id] = part

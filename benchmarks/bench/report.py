@@ -34,13 +34,20 @@ def _fmt(value, spec: str = ".2f") -> str:
     return "–" if value is None else format(value, spec)
 
 
+def _sampling(results: dict) -> str:
+    sampling = results.get("sampling", "greedy")
+    if sampling == "greedy":
+        return "greedy"
+    return f"sampled at temperature {sampling['temperature']}, top-p {sampling['top_p']}, {sampling['seeds']} seeds"
+
+
 def _bench_section(results: dict) -> list[str]:
     s_all = results["summary"]
     lines = [
         f"# Bench: {results['bundle']}",
         "",
         f"{results['prompts']} prompts ({', '.join(results['categories'])}), {results['max_new_tokens']} new tokens, "
-        f"greedy, γ {results['gamma']} (at most {results['max_gamma']}), repeat {results['repeat']}, "
+        f"{_sampling(results)}, γ {results['gamma']} (at most {results['max_gamma']}), repeat {results['repeat']}, "
         f"provider {results['provider']}, threads {results['threads'] or 'default'}; {results['started']}.",
         f"Machine: {results['machine']['platform']}, {results['machine']['processor'] or 'unknown CPU'}, "
         f"Python {results['machine']['python']}, onnxruntime {results['machine']['onnxruntime']}.",

@@ -44,6 +44,11 @@ class BenchConfig:
     provider: str = "auto"
     threads: int = 0
     warmup: bool = True  # one short untimed generation per mode first (session allocations)
+    # Sampling: temperature 0 is greedy (every mode's output must equal plain's); above 0 each
+    # prompt runs once per seed, and a mode's speedup is over plain at the same settings and seed.
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seeds: int = 1
 
     def __post_init__(self):
         unknown = [m for m in self.modes if m not in MODES]
@@ -57,6 +62,13 @@ class BenchConfig:
             raise ValueError(f"max_new_tokens and repeat must be at least 1, got {self.max_new_tokens} and {self.repeat}")
         if self.gamma is not None and self.gamma < 1:
             raise ValueError(f"a fixed gamma must be at least 1, got {self.gamma}")
+        if not self.temperature >= 0 or not 0 < self.top_p <= 1 or self.seeds < 1:
+            raise ValueError(f"temperature must be >= 0, top_p in (0, 1] and seeds >= 1, got {self.temperature}, {self.top_p}, {self.seeds}")
+        if self.temperature == 0 and (self.seeds != 1 or self.top_p != 1):
+            raise ValueError("greedy decoding (temperature 0) has no seeds or top-p: pass --temperature T to sample")
+
+    def sampling(self, seed: int) -> SamplingConfig:
+        return SamplingConfig(temperature=self.temperature, top_p=self.top_p, seed=seed) if self.temperature else SamplingConfig()
 
 
 @dataclass(frozen=True)
@@ -93,24 +105,30 @@ def run_bench(bundle: str | Path, prompts: list[BenchPrompt], config: BenchConfi
         max_gamma=max(config.max_gamma, config.gamma or 0),
     ), session_hook=clock)
     clock.follow(engine.target.cache)
-    encoded = []
     max_context = engine.target.cache.max_context
-    for prompt in prompts:
+
+    def encode(prompt: BenchPrompt) -> list[int]:
         ids = engine.encode(messages=list(prompt.messages)) if prompt.messages else engine.encode(prompt=prompt.prompt)
         if len(ids) >= max_context:
             raise PromptsError(
                 f"prompt {prompt.id!r} has {len(ids)} tokens but the bundle's max context is {max_context}: "
                 "shorten it, drop it from the prompts file, or re-export with a larger --max-context"
             )
-        encoded.append(ids)
+        return ids
+
+    def first_turn(prompt: BenchPrompt) -> BenchPrompt:
+        if prompt.turns is None:
+            return prompt
+        return BenchPrompt(f"{prompt.id}#1", prompt.category, messages=({"role": "user", "content": prompt.turns[0]},))
+
+    encoded = [encode(first_turn(prompt)) for prompt in prompts]  # later turns are encoded once their history exists
     # Every drafter is built (and calibrated) before anything is timed; a missing role fails here.
     for mode in config.modes:
         engine.use_drafter("none" if mode == "plain" else mode, config.gamma)
     models = engine.bundle.manifest.models
     # Each draft-model forward runs this session once, so its calls count the forwards.
     draft_first_stage = models["draft"].stages[0] if "draft" in models else None
-    sampling = SamplingConfig()  # greedy: each mode's output must equal plain decoding's
-    generate = GenerateConfig(config.max_new_tokens, sampling)
+    seeds = range(config.seeds)
 
     def decode(mode: str, ids: list[int], generate_config: GenerateConfig):
         engine.use_drafter("none" if mode == "plain" else mode, config.gamma)
@@ -130,15 +148,22 @@ def run_bench(bundle: str | Path, prompts: list[BenchPrompt], config: BenchConfi
 
     if config.warmup:
         for mode in config.modes:
-            decode(mode, encoded[0], GenerateConfig(min(config.max_new_tokens, 8), sampling))
+            decode(mode, encoded[0], GenerateConfig(min(config.max_new_tokens, 8), config.sampling(0)))
+        for mode in config.modes:  # what the warm-up generated must not be copied from later
+            engine.use_drafter("none" if mode == "plain" else mode, config.gamma)
+            engine.forget()
     runs = []
-    for repeat in range(config.repeat):
-        for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
+
+    def run_modes(prompt: BenchPrompt, ids: list[int], repeat: int, shift: int) -> str:
+        """Every mode on one prompt (once per seed); returns plain decoding's reply to the first seed."""
+        reply = None
+        for seed in seeds:
+            generate = GenerateConfig(config.max_new_tokens, config.sampling(seed))
             # Rotate the order so no mode always runs first (warm caches, thermal drift).
-            shift = (repeat * len(prompts) + i) % len(config.modes)
-            order = config.modes[shift:] + config.modes[:shift]
+            order = config.modes[(shift + seed) % len(config.modes):] + config.modes[: (shift + seed) % len(config.modes)]
             decoded = {mode: decode(mode, ids, generate) for mode in order}
             plain_result, plain_steps, _, _ = decoded["plain"]
+            reply = plain_result.text if reply is None else reply
             plain_t1 = [s.target_s * 1e3 for s in plain_steps]
             plain = {
                 "tokens_per_s": plain_result.timings["decode_tokens_per_s"],
@@ -146,10 +171,24 @@ def run_bench(bundle: str | Path, prompts: list[BenchPrompt], config: BenchConfi
                 "target_t1_ms": statistics.median(plain_t1),
             }
             for mode in config.modes:
-                runs.append(run_row(mode, prompt, repeat, *decoded[mode], plain))
+                runs.append({**run_row(mode, prompt, repeat, *decoded[mode], plain), "seed": seed if config.temperature else None})
                 row = runs[-1]
-                log(f"[{repeat + 1}/{config.repeat}] {prompt.id} {mode}: {row['tokens_per_s']:.1f} tok/s, "
-                    f"{row['tokens_per_pass']:.2f} tokens/pass, ×{row['speedup']:.2f}")
+                log(f"[{repeat + 1}/{config.repeat}] {prompt.id} {mode}{f' seed {seed}' if config.temperature else ''}: "
+                    f"{row['tokens_per_s']:.1f} tok/s, {row['tokens_per_pass']:.2f} tokens/pass, ×{row['speedup']:.2f}")
+        return reply
+
+    for repeat in range(config.repeat):
+        for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
+            shift = (repeat * len(prompts) + i) % len(config.modes)
+            if prompt.turns is None:
+                run_modes(prompt, ids, repeat, shift)
+                continue
+            history: list[dict] = []
+            for turn, text in enumerate(prompt.turns, start=1):
+                history.append({"role": "user", "content": text})
+                asked = BenchPrompt(f"{prompt.id}#{turn}", prompt.category, messages=tuple(history))
+                # Every mode answers the same history: plain decoding's replies to the earlier turns.
+                history.append({"role": "assistant", "content": run_modes(asked, ids if turn == 1 else encode(asked), repeat, shift + turn)})
     verify_cost = defaultdict(list)
     for run in runs:
         for block, ms in run["target_pass_ms"].items():
@@ -166,7 +205,7 @@ def run_bench(bundle: str | Path, prompts: list[BenchPrompt], config: BenchConfi
         "gamma": "auto" if config.gamma is None else config.gamma,
         "max_gamma": max(config.max_gamma, config.gamma or 0),
         "repeat": config.repeat,
-        "sampling": "greedy",
+        "sampling": {"temperature": config.temperature, "top_p": config.top_p, "seeds": config.seeds} if config.temperature else "greedy",
         "started": started,
         "definitions": DEFINITIONS,
         "verify_cost": {
