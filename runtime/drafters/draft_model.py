@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 
 from edge_spec.sampling import SamplingConfig
-from runtime.drafters.base import Drafter, Proposal, pick_token
+from runtime.drafters.base import CatchesUp, CatchUpProposal, pick_token
 from runtime.model import ModelRunner
 
 
-class DraftModelDrafter(Drafter):
+class DraftModelDrafter(CatchesUp):
     name = "model"
 
     def __init__(self, runner: ModelRunner):
@@ -36,7 +36,7 @@ class DraftModelDrafter(Drafter):
             draft_probs.append(token_probs)
             if i + 1 < gamma:
                 logits = self.runner.forward([token])[-1]  # [V]
-        return Proposal.of(drafted, draft_probs, catch_up_seconds=catch_up, catch_up_tokens=replay)
+        return CatchUpProposal.of(drafted, draft_probs, catch_up_seconds=catch_up, catch_up_tokens=replay)
 
     def replay_tokens(self, tokens):
         # More than the one token a round leaves unfed is replay after plain or copy rounds: a
