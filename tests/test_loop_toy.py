@@ -418,6 +418,23 @@ def test_draft_model_reports_the_tokens_it_must_replay():
     assert proposal.tokens.tolist() == lm.greedy(later.tolist(), 2)  # the replayed cache drafts right
 
 
+def test_draft_model_catches_up_in_one_pass_after_a_fully_accepted_round():
+    """A round accepted in full leaves the draft without its last drafted token and the bonus
+    token: one 2-token pass feeds both, so a round of γ costs γ draft passes, not γ + 1."""
+    lm = ToyLM(4)
+    draft, target = ToyRunner(lm), ToyRunner(lm)  # the draft is the target: every round is accepted in full
+    drafter, gamma = DraftModelDrafter(draft), 3
+    steps = decode_steps(target, drafter, PROMPT, GREEDY, np.random.default_rng(0), RoundPolicy().start(drafter, config=GammaConfig(fixed=gamma)))
+    out = list(next(steps).tokens)
+    for _ in range(6):
+        draft.fed.clear()
+        step = next(steps)  # runs this round's drafting
+        assert step.n_accepted == gamma
+        assert draft.fed == [2] + [1] * (gamma - 1)  # [d_γ, bonus] in one pass, then γ - 1 drafting passes
+        out += step.tokens
+    assert out == lm.greedy(PROMPT, len(out))
+
+
 def test_a_new_sequence_keeps_alpha_but_not_the_weight_of_its_evidence():
     controller = PartPolicy(GammaConfig(decay=1.0, prior_weight=4.0), CostModel(), prior_alpha=0.5)
     for _ in range(50):

@@ -88,6 +88,22 @@ class LoopTest {
     }
 
     @Test
+    fun `after a fully accepted round the draft catches up in one 2-token pass`() {
+        val draft = FakeModel(agree = 1.0)
+        val drafter = DraftModelDrafter(draft)
+        val rounds = Loop.decodeSteps(FakeModel(), drafter, prompt, SamplingConfig(), Pcg64(0), RoundPolicy().start(drafter, config = GammaConfig(fixed = 4))).iterator()
+        val out = rounds.next().tokens.toMutableList()
+        repeat(5) {
+            val before = draft.passes
+            val step = rounds.next()
+            assertEquals(4, step.nAccepted)
+            assertEquals(4, draft.passes - before, "[d_γ, bonus] in one pass, then γ - 1 drafting passes")
+            out += step.tokens
+        }
+        assertEquals(tokens(run(FakeModel(), null, prompt, out.size), out.size), out)
+    }
+
+    @Test
     fun `prompt lookup and the mixed drafter keep greedy output exact`() {
         val plain = tokens(run(FakeModel(), null, prompt, 30), 30)
         assertEquals(plain, tokens(run(FakeModel(), PromptLookupDrafter(), prompt, 30), 30))

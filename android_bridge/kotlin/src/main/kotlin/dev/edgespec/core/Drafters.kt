@@ -100,12 +100,17 @@ class DraftModelDrafter(val runner: TargetModel) : Drafter(), CatchesUp {
         val cache = runner.cache
         val g = minOf(gamma, cache.maxContext - tokens.size + 1)
         if (g <= 0) return null
-        val missing = tokens.copyOfRange(cache.kvLen, tokens.size)
+        // The pending token, and after a round accepted in full the last drafted token before it, go in one pass; more is replay, timed apart.
+        var missing = tokens.copyOfRange(cache.kvLen, tokens.size)
         val replay = replayTokens(tokens)
-        val began = clock()
-        if (missing.size > 1) runner.prefill(missing.copyOfRange(0, missing.size - 1))
-        val catchUp = if (replay > 0) clock() - began else 0.0
-        var logits = runner.forward(missing.copyOfRange(missing.size - 1, missing.size), nLogits = 1).last()
+        var catchUp = 0.0
+        if (replay > 0) {
+            val began = clock()
+            runner.prefill(missing.copyOfRange(0, missing.size - 1))
+            catchUp = clock() - began
+            missing = missing.copyOfRange(missing.size - 1, missing.size)
+        }
+        var logits = runner.forward(missing, nLogits = 1).last()
         val drafted = LongArray(g)
         val probs = arrayOfNulls<DoubleArray>(g)
         for (i in 0 until g) {
