@@ -28,10 +28,12 @@ from runtime.drafters.draft_model import DraftModelDrafter
 from runtime.drafters.layer_skip import LayerSkipDrafter
 from runtime.drafters.mixed import MixedDrafter
 from runtime.drafters.prompt_lookup import PromptLookupDrafter
-from runtime.gamma import CostModel, GammaConfig, GammaController
+from runtime.calibration import calibrate, calibrated
+from runtime.gamma import CostModel, GammaConfig
 from runtime.kv_cache import KVCache
 from runtime.loop import Step, decode_steps
 from runtime.model import ModelRunner
+from runtime.policy import RoundPolicy
 from runtime.sessions import NO_CPU_FALLBACK, ProviderChoice, SessionConfig, kv_device, open_session, resolve_provider
 from runtime.tokenizer import BundleTokenizer, StreamDecoder
 
@@ -131,7 +133,7 @@ class Engine:
         self.drafter = self._make_drafter(config.drafter)
         self._drafters = {config.drafter: self.drafter}
         self.costs = CostModel()
-        self._gamma_controllers: dict[tuple, GammaController] = {}
+        self.policy = RoundPolicy(self.costs)  # α per drafter and γ config for the engine's life
         self._lock = threading.Lock()
         self._owner: int | None = None  # thread id of the generation holding _lock
         if config.calibrate and self.drafter is not None:
@@ -257,39 +259,13 @@ class Engine:
             if kind not in self._drafters:
                 self._drafters[kind] = self._make_drafter(kind)
             self.drafter = self._drafters[kind]
-            measured = self.costs.target and all(p.name in self.costs.draft_step for p in self.drafter.parts() if p.costs_passes) if self.drafter else True
-            if self.config.calibrate and not measured:
+            if self.config.calibrate and not calibrated(self.costs, self.drafter):
                 self.calibrate()
 
     def calibrate(self, repeats: int = 2) -> None:
-        """Time target passes for every block size γ+1 may take, and one draft step, on this
-        device, so the first rounds already choose γ from measured costs. The first round
-        warms the sessions up and is not recorded."""
-        token = np.array([self.bundle.manifest.tokenizer.eos_token_ids[0]] * (self.config.max_gamma + 2), dtype=np.int64)
-        for repeat in range(repeats + 1):
-            for block in range(1, self.config.max_gamma + 2):
-                self.target.cache.reset()
-                began = time.perf_counter()
-                self.target.forward(token[:block])
-                if repeat:
-                    self.costs.record_target(block, time.perf_counter() - began)
-            for part in self.drafter.parts():
-                if part.costs_passes:
-                    self.target.cache.reset()
-                    part.reset(token[:1])  # a draft model prefills here, outside the timing
-                    self.target.forward(token[:1])
-                    steps = 3
-                    began = time.perf_counter()
-                    part.propose(token[:2], steps, SamplingConfig(), np.random.default_rng(0))
-                    if repeat:
-                        self.costs.record_draft(part.name, steps, time.perf_counter() - began)
-                    if repeat:  # replay: a draft model that sat out γmax+1 committed tokens feeds them first
-                        part.reset(token[:1])
-                        if part.replay_tokens(token):
-                            proposal = part.propose(token, 1, SamplingConfig(), np.random.default_rng(0))
-                            self.costs.record_replay(part.name, proposal.catch_up_tokens, proposal.catch_up_seconds)
-        self.target.cache.reset()
-        self.drafter.reset()
+        """Seed the cost model with this device's pass times (runtime/calibration.py)."""
+        eos = self.bundle.manifest.tokenizer.eos_token_ids[0]
+        calibrate(self.target, self.drafter, self.costs, eos, self.config.max_gamma, repeats)
 
     # -- generation ------------------------------------------------------------------------
 
@@ -301,23 +277,6 @@ class Engine:
         if messages is not None:
             return self.tokenizer.encode_chat(messages)
         return self.tokenizer.encode(prompt, parse_special=parse_special)
-
-    def _controllers(self, horizon_tokens: int) -> dict[str, GammaController]:
-        if self.drafter is None:
-            return {}
-        # One controller per drafter and γ policy for the engine's life: α learned on earlier
-        # sequences is the prior for the next (each round decays it), the probe schedule restarts.
-        # Keyed by the drafter chosen too: auto's model part drafts only where lookup finds no
-        # match, harder text than the model alone sees, so their α must not mix.
-        gamma_config = GammaConfig(fixed=self.config.gamma, max_gamma=self.config.max_gamma)
-        controllers = {}
-        for part in self.drafter.parts():
-            key = (self.config.drafter, part.name, gamma_config)
-            if key not in self._gamma_controllers:
-                self._gamma_controllers[key] = GammaController(gamma_config, self.costs)
-            controllers[part.name] = self._gamma_controllers[key]
-            controllers[part.name].start(horizon_tokens)
-        return controllers
 
     def _check_prompt(self, prompt_ids: list[int]) -> None:
         max_context = self.target.cache.max_context
@@ -359,9 +318,9 @@ class Engine:
         stop_reason = None
         began = time.perf_counter()
         first_step_at = None
-        controllers = self._controllers(config.max_new_tokens) if drafter is not None else {}
+        policy = self.policy.start(drafter, config.max_new_tokens, GammaConfig(fixed=self.config.gamma, max_gamma=self.config.max_gamma))
         text = ""
-        for step in decode_steps(self.target, drafter, prompt_ids, config.sampling, rng, controllers, self.costs):
+        for step in decode_steps(self.target, drafter, prompt_ids, config.sampling, rng, policy):
             if first_step_at is None:
                 first_step_at = time.perf_counter()
             steps.append(step)

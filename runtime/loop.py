@@ -1,7 +1,9 @@
-"""The speculative decoding loop: draft, verify in one target pass, accept, roll back.
+"""The speculative decoding loop: choose, draft, verify in one target pass, accept, roll back,
+report the round to the policy.
 
 It prints nothing and decides no stopping: it yields one Step per target pass and the
-caller stops consuming when it has enough.
+caller stops consuming when it has enough. What to draft and how much is the policy's
+(runtime/policy.py), and so is everything learned from the rounds.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ import numpy as np
 
 from edge_spec.sampling import SamplingConfig, process_logits
 from edge_spec.verify import verify_deterministic, verify_greedy, verify_stochastic
-from runtime.drafters.base import Drafter, Proposal
-from runtime.gamma import CostModel, GammaController
+from runtime.drafters.base import Drafter, Proposal, TrunkProposal, use_clock
 from runtime.model import ModelRunner
+from runtime.policy import Round, RoundPolicy
 
 
 @dataclass(frozen=True)
@@ -48,33 +50,28 @@ def decode_steps(
     prompt_ids: list[int],
     sampling: SamplingConfig,
     rng: np.random.Generator,
-    controllers: dict[str, GammaController],
-    costs: CostModel,
+    policy: RoundPolicy,
     clock: Callable[[], float] = time.perf_counter,
 ) -> Iterator[Step]:
-    """controllers: one γ controller per drafter in drafter.parts(), by name. clock: seconds,
-    read for every timing the cost model and γ controllers learn from (the drafters' too), so
-    a fake clock makes adaptive γ deterministic."""
+    """policy: started for this drafter and sequence (RoundPolicy.start); it chooses each
+    round's drafter and γ and learns from each round. clock: seconds, read for every timing the
+    policy learns from (the drafters' too), so a fake clock makes adaptive γ deterministic."""
     tokens = np.asarray(prompt_ids, dtype=np.int64)
     # Rows that already hold a prefix of this prompt (a previous turn of a chat) are kept.
     target.cache.rollback_to_prefix(tokens[:-1])
     if drafter is not None:
-        drafter.set_clock(clock)
+        use_clock(drafter, clock)
         drafter.reset(tokens[:-1])
     target.prefill(tokens[target.cache.kv_len : -1])  # the last prompt token stays pending: every round feeds it first
     while True:
         began = clock()
-        active = drafter.select(tokens) if drafter is not None else None
-        n_gamma = 0
-        if active is not None:
-            step_cost = costs.draft_step.get(active.name, 0.0) if active.costs_passes else 0.0
-            replay_cost = costs.replay_cost(active.name, active.replay_tokens(tokens))
-            n_gamma = min(controllers[active.name].choose(step_cost, replay_cost), target.cache.max_context - len(tokens))
-        proposal = active.propose(tokens, n_gamma, sampling, rng) if n_gamma > 0 else None
+        active, gamma = policy.choose(tokens)
+        gamma = min(gamma, target.cache.max_context - len(tokens))
+        proposal = active.propose(tokens, gamma, sampling, rng) if gamma > 0 else None
         drafted_at = clock()
-        n_drafted = 0 if proposal is None else len(proposal.tokens)
         block = tokens[-1:] if proposal is None else np.concatenate([tokens[-1:], proposal.tokens])
-        logits = target.forward(block, trunk_hidden=None if proposal is None else proposal.trunk_hidden)  # [γ+1,V]
+        trunk_hidden = proposal.trunk_hidden if isinstance(proposal, TrunkProposal) else None
+        logits = target.forward(block, trunk_hidden=trunk_hidden)  # [γ+1,V]
         verified_at = clock()
         n_accepted, next_token = verify(logits, proposal, sampling, rng)
         new_tokens = np.append(block[1 : 1 + n_accepted], next_token)
@@ -83,12 +80,6 @@ def decode_steps(
         target.cache.rollback_to_prefix(tokens[:-1])
         if drafter is not None:
             drafter.accepted(tokens, n_accepted)
-        costs.record_target(len(block), verified_at - drafted_at)
-        if n_drafted:
-            controllers[active.name].update(n_drafted, n_accepted)
-            controllers[active.name].record_round(verified_at - began, len(new_tokens))
-            if active.costs_passes:
-                costs.record_draft(active.name, n_drafted, drafted_at - began - proposal.catch_up_seconds)
-                costs.record_replay(active.name, proposal.catch_up_tokens, proposal.catch_up_seconds)
-        name = active.name if n_drafted else None
-        yield Step(tuple(int(t) for t in new_tokens), n_gamma, n_drafted, n_accepted, drafted_at - began, verified_at - drafted_at, name)
+        done = Round.of(active, gamma, proposal, n_accepted, len(new_tokens), began, drafted_at, verified_at)
+        policy.observe(done)
+        yield Step(tuple(int(t) for t in new_tokens), gamma, done.n_drafted, n_accepted, done.draft_s, done.target_s, done.drafter)

@@ -253,18 +253,20 @@ def test_each_drafter_choice_learns_its_own_alpha(llama_bundle):
     """auto's model part drafts only where lookup finds no match, so what it learns must not
     become the prior of the draft model alone (or the reverse)."""
     from runtime.engine import Engine
+    from runtime.gamma import GammaConfig
 
     engine = Engine(llama_bundle, EngineConfig(provider="cpu", threads=1, drafter="model", gamma=2))
     ids = engine.encode(prompt="river stone tree river stone")
     engine.generate(ids, GenerateConfig(12, SamplingConfig()))
-    model_alone = engine._controllers(12)["model"]
-    learned = (model_alone.n_accepted, model_alone.n_rejected)
+    fixed = GammaConfig(fixed=2, max_gamma=engine.config.max_gamma)
+    model_alone = engine.policy.start(engine.drafter, 12, fixed).parts["model"]
+    learned = (model_alone.estimate.n_accepted, model_alone.estimate.n_rejected)
     engine.use_drafter("auto", gamma=2)
-    auto_model = engine._controllers(12)["model"]
-    assert auto_model is not model_alone and (auto_model.n_accepted, auto_model.n_rejected) != learned
+    auto_model = engine.policy.start(engine.drafter, 12, fixed).parts["model"]
+    assert auto_model is not model_alone and (auto_model.estimate.n_accepted, auto_model.estimate.n_rejected) != learned
     engine.generate(ids, GenerateConfig(12, SamplingConfig()))
     engine.use_drafter("model", gamma=2)
-    assert engine._controllers(12)["model"] is model_alone
+    assert engine.policy.start(engine.drafter, 12, fixed).parts["model"] is model_alone
 
 
 # -- hardening: re-entrancy, abandoned streams, token ids, stats of a cancelled queued job -------

@@ -7,9 +7,10 @@ import numpy as np
 from edge_spec.commit import commit
 from edge_spec.sampling import SamplingConfig
 from runtime.drafters.draft_model import DraftModelDrafter
-from runtime.gamma import CostModel, GammaConfig, GammaController
+from runtime.gamma import GammaConfig
 from runtime.kv_cache import KVCache
 from runtime.loop import decode_steps
+from runtime.policy import RoundPolicy
 
 PIECES = ["a", "b", "c", "END", "xa", "yz"]
 EOS = {3}
@@ -75,10 +76,10 @@ class FakeClock:
 def test_decode_steps_times_everything_with_the_clock_it_is_given():
     clock = FakeClock()
     target, draft = CountingRunner(clock), CountingRunner(clock)
-    costs = CostModel()
     drafter = DraftModelDrafter(draft)
-    controllers = {"model": GammaController(GammaConfig(fixed=2), costs)}
-    steps = decode_steps(target, drafter, [1, 2, 3], SamplingConfig(), np.random.default_rng(0), controllers, costs, clock=clock)
+    policy = RoundPolicy().start(drafter, config=GammaConfig(fixed=2))
+    costs = policy.costs
+    steps = decode_steps(target, drafter, [1, 2, 3], SamplingConfig(), np.random.default_rng(0), policy, clock=clock)
     first = next(steps)
     # The draft feeds the pending token, then one drafted token (2 passes of 1 token); the target verifies 3 tokens.
     assert (first.n_drafted, first.n_accepted, first.draft_s, first.target_s) == (2, 2, 3.0, 2.5)

@@ -34,9 +34,10 @@ from export.static_cache import StageModule  # noqa: E402
 from runtime import coreml_backend  # noqa: E402
 from runtime.coreml_backend import CoreMLSession, CoreMLUnavailable, plan_blocks  # noqa: E402
 from runtime.drafters.layer_skip import LayerSkipDrafter  # noqa: E402
-from runtime.gamma import CostModel, GammaConfig, GammaController  # noqa: E402
+from runtime.gamma import GammaConfig  # noqa: E402
 from runtime.kv_cache import KVCache  # noqa: E402
 from runtime.loop import decode_steps  # noqa: E402
+from runtime.policy import RoundPolicy  # noqa: E402
 from runtime.model import ModelRunner  # noqa: E402
 
 BLOCK_LENGTHS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 64)
@@ -418,9 +419,9 @@ def test_speculative_loop_over_coreml_sessions_is_greedy_exact(fake_engine, mode
     for _ in range(16):
         expected.append(int(tiny.hf_logits(model, expected)[-1].argmax()))
     drafter = LayerSkipDrafter(runners["layer_skip"])
-    controllers = {drafter.name: GammaController(GammaConfig(fixed=4, max_gamma=8), CostModel())}
+    policy = RoundPolicy().start(drafter, config=GammaConfig(fixed=4, max_gamma=8))
     steps, generated = [], []
-    for step in decode_steps(runners["target"], drafter, prompt, SamplingConfig(), np.random.default_rng(0), controllers, CostModel()):
+    for step in decode_steps(runners["target"], drafter, prompt, SamplingConfig(), np.random.default_rng(0), policy):
         steps.append(step)
         generated += step.tokens
         if len(generated) >= 16:

@@ -19,8 +19,9 @@ from runtime import audit
 from runtime.drafters.draft_model import DraftModelDrafter
 from runtime.drafters.mixed import MixedDrafter
 from runtime.drafters.prompt_lookup import PromptLookupDrafter
-from runtime.gamma import CostModel, GammaConfig, GammaController
+from runtime.gamma import GammaConfig
 from runtime.loop import decode_steps
+from runtime.policy import RoundPolicy
 from tests.test_loop_toy import VOCAB, ToyLM, ToyRunner
 
 POSITIONS = 2
@@ -66,12 +67,12 @@ def loop_samples(kind: str, sampling: SamplingConfig, gamma: int, n: int = SAMPL
     """n runs of decode_steps at fixed γ; the first POSITIONS tokens of each and what the
     rounds that produced them did."""
     lm = ToyLM(5)
-    target, drafter, costs = ToyRunner(lm), _drafter(kind, lm), CostModel()
-    controllers = {part.name: GammaController(GammaConfig(fixed=gamma), costs) for part in drafter.parts()}
+    target, drafter = ToyRunner(lm), _drafter(kind, lm)
+    policy = RoundPolicy().start(drafter, config=GammaConfig(fixed=gamma))
     rows, drafted, samples_drafted, rejections, residual = [], 0, 0, 0, 0
     for i in range(n):
         out, sample_drafted = [], 0
-        steps = decode_steps(target, drafter, PROMPT, sampling, np.random.default_rng(seed + i), controllers, costs)
+        steps = decode_steps(target, drafter, PROMPT, sampling, np.random.default_rng(seed + i), policy)
         for step in steps:
             sample_drafted += step.n_drafted
             rejected = step.n_accepted < step.n_drafted

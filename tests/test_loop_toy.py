@@ -1,4 +1,4 @@
-"""The speculative loop on a numpy toy language model (no ONNX), and the γ controller.
+"""The speculative loop on a numpy toy language model (no ONNX), and the round policy.
 
 The toy target reads its context from a real KVCache (the token of each row is stored in the
 key buffer), so a loop that fails to roll back, or feeds a token twice, changes its logits.
@@ -16,12 +16,13 @@ import pytest
 
 from edge_spec.sampling import SamplingConfig
 from edge_spec.verify import expected_tokens_per_pass
-from runtime.drafters.base import Drafter, Proposal
+from runtime.drafters.base import CostsPasses, Proposal
 from runtime.drafters.draft_model import DraftModelDrafter
 from runtime.engine import Engine
-from runtime.gamma import CostModel, GammaConfig, GammaController
+from runtime.gamma import CostModel, GammaConfig
 from runtime.kv_cache import KVCache
 from runtime.loop import decode_steps
+from runtime.policy import PartPolicy, RoundPolicy
 
 VOCAB = 50
 GREEDY = SamplingConfig()
@@ -77,7 +78,7 @@ class ToyRunner:
             self.forward(token_ids[begin : begin + chunk], n_logits=1)
 
 
-class ScriptedDrafter(Drafter):
+class ScriptedDrafter(CostsPasses):
     """Drafts the target's greedy continuation, except at scripted positions (one list per
     round: the positions in the block that get a wrong token)."""
 
@@ -112,10 +113,9 @@ class ScriptedDrafter(Drafter):
 
 def _run(lm, drafter, gamma, prompt, n_tokens, max_context=256):
     target = ToyRunner(lm, max_context)
-    costs = CostModel()
-    controllers = {} if drafter is None else {drafter.name: GammaController(GammaConfig(fixed=gamma), costs)}
+    policy = RoundPolicy().start(drafter, config=GammaConfig(fixed=gamma or None))  # γ 0: plain, no drafter
     steps, committed = [], list(prompt)
-    for step in decode_steps(target, drafter, list(prompt), GREEDY, np.random.default_rng(0), controllers, costs):
+    for step in decode_steps(target, drafter, list(prompt), GREEDY, np.random.default_rng(0), policy):
         steps.append(step)
         committed += list(step.tokens)
         # The loop invariant: every committed token but the pending last one is in the cache.
@@ -212,12 +212,12 @@ def test_prompt_prefix_rows_are_reused():
     target.prefill(PROMPT + [1, 2, 3])
     target.fed.clear()
     prompt = PROMPT + [7, 8]
-    step = next(decode_steps(target, None, prompt, GREEDY, np.random.default_rng(0), {}, CostModel()))
+    step = next(decode_steps(target, None, prompt, GREEDY, np.random.default_rng(0), RoundPolicy().start(None)))
     assert target.fed == [1, 1]  # only prompt[5] (7) was prefilled; then the pending 8
     assert step.tokens == (lm.greedy(prompt, 1)[0],)
 
 
-# -- γ controller ------------------------------------------------------------------------------
+# -- round policy ------------------------------------------------------------------------------
 
 
 def _costs(target_per_block: dict[int, float]) -> CostModel:
@@ -227,14 +227,14 @@ def _costs(target_per_block: dict[int, float]) -> CostModel:
     return costs
 
 
-def _with_alpha(alpha: float, costs: CostModel, config: GammaConfig = GammaConfig()) -> GammaController:
-    controller = GammaController(config, costs, prior_alpha=alpha)
+def _with_alpha(alpha: float, costs: CostModel, config: GammaConfig = GammaConfig()) -> PartPolicy:
+    controller = PartPolicy(config, costs, prior_alpha=alpha)
     assert controller.alpha == pytest.approx(alpha)
     return controller
 
 
 def test_fixed_gamma_is_returned_as_is():
-    controller = GammaController(GammaConfig(fixed=5), _costs({1: 1.0}))
+    controller = PartPolicy(GammaConfig(fixed=5), _costs({1: 1.0}))
     assert controller.choose(100.0) == 5
     controller.update(5, 0)
     assert controller.choose(100.0) == 5
@@ -271,7 +271,7 @@ def test_higher_alpha_never_shortens_gamma():
     assert chosen == sorted(chosen) and chosen[-1] > chosen[0]
 
 
-def _rounds(controller: GammaController, n: int, draft_step_cost: float, accept: bool = False) -> list[int]:
+def _rounds(controller: PartPolicy, n: int, draft_step_cost: float, accept: bool = False) -> list[int]:
     """γ chosen for n rounds; every drafted round is rejected at its first token (or accepted in full)."""
     choices = []
     for _ in range(n):
@@ -323,7 +323,7 @@ def test_a_probe_that_wins_keeps_probing_alive():
     controller.update(1, 1)  # the probe was accepted ...
     for _ in range(30):
         controller.update(1, 1)  # ... and so is every later draft: α climbs, speculation wins
-    assert controller.choose(draft_step_cost=0.2) >= 1 and controller.failed_probes == 0
+    assert controller.choose(draft_step_cost=0.2) >= 1 and controller.probes.failed == 0
 
 
 def test_ledger_switches_off_a_drafter_whose_rounds_lose():
@@ -334,10 +334,10 @@ def test_ledger_switches_off_a_drafter_whose_rounds_lose():
     controller.start(horizon_tokens=100)  # budget: 0.05 · 100 tokens · 1 s = 5 s
     rounds = 0
     while controller.choose(draft_step_cost=0.05):
-        controller.record_round(seconds=3.0, n_tokens=1)  # each round loses 2 s against plain
+        controller.ledger.record(seconds=3.0, n_tokens=1)  # each round loses 2 s against plain
         rounds += 1
         assert rounds < 10
-    assert rounds == 3 and controller.loss_seconds == pytest.approx(6.0)
+    assert rounds == 3 and controller.ledger.loss_seconds == pytest.approx(6.0)
     assert all(controller.choose(0.05) == 0 for _ in range(100))  # no probes either
     controller.start(horizon_tokens=100)  # a new sequence opens a new ledger
     assert controller.choose(0.05) >= 1
@@ -347,11 +347,11 @@ def test_ledger_wins_earn_room_for_later_losses():
     costs = _costs({1: 1.0, 2: 1.1, 3: 1.2})
     controller = _with_alpha(0.9, costs, GammaConfig(max_loss=0.01))
     controller.start(horizon_tokens=100)  # budget 1 s
-    controller.record_round(seconds=1.2, n_tokens=3)  # won 1.8 s
-    controller.record_round(seconds=3.5, n_tokens=1)  # lost 2.5 s: net loss 0.7 s, within budget
-    assert not controller.over_budget() and controller.choose(0.05) >= 1
-    controller.record_round(seconds=1.5, n_tokens=1)  # net loss 1.2 s
-    assert controller.over_budget() and controller.choose(0.05) == 0
+    controller.ledger.record(seconds=1.2, n_tokens=3)  # won 1.8 s
+    controller.ledger.record(seconds=3.5, n_tokens=1)  # lost 2.5 s: net loss 0.7 s, within budget
+    assert not controller.ledger.over_budget() and controller.choose(0.05) >= 1
+    controller.ledger.record(seconds=1.5, n_tokens=1)  # net loss 1.2 s
+    assert controller.ledger.over_budget() and controller.choose(0.05) == 0
 
 
 def test_loop_feeds_the_ledger_what_rounds_took():
@@ -359,9 +359,6 @@ def test_loop_feeds_the_ledger_what_rounds_took():
     ledger, and none for plain steps."""
     lm = ToyLM(5)
     target = ToyRunner(lm)
-    costs = CostModel()
-    controller = GammaController(GammaConfig(max_loss=0.0, min_gain=0.0), costs, prior_alpha=0.9)
-    controller.start(horizon_tokens=10)
 
     class SlowDrafter(ScriptedDrafter):
         def propose(self, tokens, gamma, sampling, rng):
@@ -369,10 +366,11 @@ def test_loop_feeds_the_ledger_what_rounds_took():
             return super().propose(tokens, gamma, sampling, rng)
 
     drafter = SlowDrafter(lm)
-    controllers = {drafter.name: controller}
-    steps = decode_steps(target, drafter, PROMPT, GREEDY, np.random.default_rng(0), controllers, costs)
+    policy = RoundPolicy(prior_alpha=0.9).start(drafter, horizon_tokens=10, config=GammaConfig(max_loss=0.0, min_gain=0.0))
+    controller = policy.parts[drafter.name]
+    steps = decode_steps(target, drafter, PROMPT, GREEDY, np.random.default_rng(0), policy)
     first = next(steps)
-    assert first.n_drafted >= 1 and controller.loss_seconds > 0  # what the round took, measured
+    assert first.n_drafted >= 1 and controller.ledger.loss_seconds > 0  # what the round took, measured
     later = [next(steps) for _ in range(5)]
     assert all(step.n_drafted == 0 for step in later)  # over budget: plain steps only
 
@@ -420,35 +418,52 @@ def test_draft_model_reports_the_tokens_it_must_replay():
     assert proposal.tokens.tolist() == lm.greedy(later.tolist(), 2)  # the replayed cache drafts right
 
 
+def test_draft_model_catches_up_in_one_pass_after_a_fully_accepted_round():
+    """A round accepted in full leaves the draft without its last drafted token and the bonus
+    token: one 2-token pass feeds both, so a round of γ costs γ draft passes, not γ + 1."""
+    lm = ToyLM(4)
+    draft, target = ToyRunner(lm), ToyRunner(lm)  # the draft is the target: every round is accepted in full
+    drafter, gamma = DraftModelDrafter(draft), 3
+    steps = decode_steps(target, drafter, PROMPT, GREEDY, np.random.default_rng(0), RoundPolicy().start(drafter, config=GammaConfig(fixed=gamma)))
+    out = list(next(steps).tokens)
+    for _ in range(6):
+        draft.fed.clear()
+        step = next(steps)  # runs this round's drafting
+        assert step.n_accepted == gamma
+        assert draft.fed == [2] + [1] * (gamma - 1)  # [d_γ, bonus] in one pass, then γ - 1 drafting passes
+        out += step.tokens
+    assert out == lm.greedy(PROMPT, len(out))
+
+
 def test_a_new_sequence_keeps_alpha_but_not_the_weight_of_its_evidence():
-    controller = GammaController(GammaConfig(decay=1.0, prior_weight=4.0), CostModel(), prior_alpha=0.5)
+    controller = PartPolicy(GammaConfig(decay=1.0, prior_weight=4.0), CostModel(), prior_alpha=0.5)
     for _ in range(50):
         controller.update(2, 0)  # a long run of rejections: α ≈ 0.02, backed by ~50 rounds
     alpha = controller.alpha
     controller.start()
     assert controller.alpha == pytest.approx(alpha)  # the estimate carries over ...
-    assert controller.n_accepted + controller.n_rejected == pytest.approx(4.0)  # ... as a prior worth 4 rounds
+    assert controller.estimate.n_accepted + controller.estimate.n_rejected == pytest.approx(4.0)  # ... as a prior worth 4 rounds
     for _ in range(4):
         controller.update(3, 3)  # so a few accepted rounds of another kind of text overturn it
     assert controller.alpha > 0.7
 
 
 def test_alpha_update_is_the_truncated_geometric_mle():
-    controller = GammaController(GammaConfig(decay=1.0), CostModel(), prior_alpha=0.5)  # 1 + 1 pseudo-counts
+    controller = PartPolicy(GammaConfig(decay=1.0), CostModel(), prior_alpha=0.5)  # 1 + 1 pseudo-counts
     controller.update(4, 2)  # 2 accepted, then a rejection
     assert controller.alpha == pytest.approx(3 / 5)
     controller.update(3, 3)  # all accepted: no rejection observed
     assert controller.alpha == pytest.approx(6 / 8)
     controller.update(0, 0)  # nothing drafted: no information
     assert controller.alpha == pytest.approx(6 / 8)
-    decayed = GammaController(GammaConfig(decay=0.5), CostModel(), prior_alpha=0.5)
+    decayed = PartPolicy(GammaConfig(decay=0.5), CostModel(), prior_alpha=0.5)
     decayed.update(2, 0)
     assert decayed.alpha == pytest.approx(0.5 / (0.5 + 1.5))
 
 
 def test_alpha_estimate_converges_to_true_acceptance():
     rng = np.random.default_rng(0)
-    controller = GammaController(GammaConfig(decay=1.0), CostModel())
+    controller = PartPolicy(GammaConfig(decay=1.0), CostModel())
     alpha, gamma = 0.7, 4
     for _ in range(3000):
         n = 0

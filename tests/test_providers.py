@@ -173,7 +173,7 @@ def test_layer_skip_draft_runs_on_the_target_provider(fake_ort, llama_gpu_bundle
     engine = _engine(llama_gpu_bundle, provider="cuda", draft_provider="cpu", drafter="layer-skip")
     assert {s.providers[0] for s in fake.created} == {CUDA}  # its sessions are the target's
     assert not _files(llama_gpu_bundle, "draft") & set(_by_file(fake))  # the draft model is not loaded
-    assert engine.drafter.parts()[0].runner.sessions[0] is engine.target.sessions[0]
+    assert engine.drafter.runner.sessions[0] is engine.target.sessions[0]
 
 
 def test_cuda_device_id(fake_ort, llama_gpu_bundle):

@@ -6,7 +6,7 @@ Writes JSON files into OUT_DIR:
   rng.json         np.random.default_rng(seed).random() streams (the uniform stream definition)
   sampling.json    process_logits / sample cases: logits, config, probabilities, drawn tokens
   verify.json      verify_greedy / verify_stochastic / verify_deterministic cases
-  gamma.json       GammaController decisions for fixed cost tables and outcomes
+  gamma.json       PartPolicy (adaptive γ for one drafter) decisions for fixed cost tables and outcomes
   commit.json      edge_spec/commit.py on hand-made and random rounds (budget, context, EOS, stop strings)
   cost_model.json  CostModel target_cost / replay_cost / cost_ratio after recorded measurements
   loop.json        decode_steps on fake models (logits recorded per prefix): the empty-residual fallback,
@@ -126,7 +126,8 @@ def verify_traces() -> list[dict]:
 
 
 def gamma_traces() -> list[dict]:
-    from runtime.gamma import CostModel, GammaConfig, GammaController
+    from runtime.gamma import CostModel, GammaConfig
+    from runtime.policy import PartPolicy
 
     gen = np.random.default_rng(5)
     cases = []
@@ -137,7 +138,7 @@ def gamma_traces() -> list[dict]:
             costs.record_target(block, seconds)
         step_cost = [0.0, 0.001, 0.004, 0.02][i % 4]
         config = GammaConfig(probe_first=2, probe_every=5, max_failed_probes=[2, 3, 100][i % 3], max_loss=[0.01, 0.05, 1.0, 0.2][i % 4])
-        controller = GammaController(config, costs, prior_alpha=[0.6, 0.2, 0.9][i % 3])
+        controller = PartPolicy(config, costs, prior_alpha=[0.6, 0.2, 0.9][i % 3])
         horizon = [64, 128, 256][i % 3]
         controller.start(horizon)
         rounds = []
@@ -150,7 +151,7 @@ def gamma_traces() -> list[dict]:
             seconds = float((gamma * step_cost + target[min(target, key=lambda b: abs(b - gamma - 1))]) * gen.uniform(0.8, 1.6) * slow)
             if gamma:
                 controller.update(gamma, accepted)
-                controller.record_round(seconds, accepted + 1)
+                controller.ledger.record(seconds, accepted + 1)
             rounds.append([gamma, accepted, seconds])
         cases.append({"target_costs": {str(k): v for k, v in target.items()}, "step_cost": step_cost,
                       "prior_alpha": [0.6, 0.2, 0.9][i % 3], "probe_first": config.probe_first, "probe_every": config.probe_every,
@@ -322,13 +323,13 @@ def loop_traces() -> list[dict]:
     from runtime.drafters.draft_model import DraftModelDrafter
     from runtime.drafters.mixed import MixedDrafter
     from runtime.drafters.prompt_lookup import PromptLookupDrafter
-    from runtime.gamma import CostModel, GammaConfig, GammaController
+    from runtime.gamma import GammaConfig
     from runtime.loop import decode_steps
+    from runtime.policy import RoundPolicy
 
     class ScriptedDrafter(Drafter):
         """Proposes fixed tokens with given q, recorded per call for the JVM to replay."""
         name = "scripted"
-        costs_passes = False
 
         def __init__(self, script):
             self.script, self.calls = script, []
@@ -361,10 +362,9 @@ def loop_traces() -> list[dict]:
 
     drafter = ScriptedDrafter(script)
     rng = ScriptedRng([1.0 - 2.0**-53, 0.25], 5)
-    costs = CostModel()
-    controllers = {"scripted": GammaController(GammaConfig(fixed=2), costs)}
+    policy = RoundPolicy().start(drafter, config=GammaConfig(fixed=2))
     rounds = []
-    for step in decode_steps(target, drafter, prompt, sampling, rng, controllers, costs):
+    for step in decode_steps(target, drafter, prompt, sampling, rng, policy):
         rounds.append({"tokens": list(step.tokens), "gamma": step.gamma, "drafted": step.n_drafted, "accepted": step.n_accepted,
                        "drafter": step.drafter, "target_kv": target.cache.kv_len})
         if len(rounds) == 8:
@@ -387,13 +387,11 @@ def loop_traces() -> list[dict]:
         drafter = model if kind == "model" else MixedDrafter(PromptLookupDrafter(), model)
         sampling = SamplingConfig(temperature=temperature, seed=seed)
         rng = RecordingRng(seed)
-        costs = CostModel()
         config = GammaConfig(max_gamma=6, max_loss=max_loss, max_failed_probes=max_failed_probes)
-        controllers = {part.name: GammaController(config, costs) for part in drafter.parts()}
-        for c in controllers.values():
-            c.start(96)
+        policy = RoundPolicy().start(drafter, 96, config)
+        costs = policy.costs
         rounds, total = [], 0
-        for step in decode_steps(target, drafter, prompt, sampling, rng, controllers, costs, clock=clock):
+        for step in decode_steps(target, drafter, prompt, sampling, rng, policy, clock=clock):
             rounds.append({"tokens": list(step.tokens), "gamma": step.gamma, "drafted": step.n_drafted, "accepted": step.n_accepted,
                            "drafter": step.drafter, "target_kv": target.cache.kv_len, "draft_kv": draft.cache.kv_len,
                            "draft_s": step.draft_s, "target_s": step.target_s})
@@ -568,8 +566,9 @@ def fake_stage_time(clock: RecordingClock):
 def generation_trace(engine, prompt_ids, drafter: str, gamma: int | None, sampling: SamplingConfig, max_new: int) -> dict:
     """Python's engine loop. γ None: adaptive, from a fresh cost model and controllers, timed
     by a fake clock that stage passes advance (its readings go into the trace)."""
-    from runtime.gamma import CostModel, GammaConfig, GammaController
+    from runtime.gamma import GammaConfig
     from runtime.loop import decode_steps
+    from runtime.policy import RoundPolicy
 
     ADAPTIVE = GammaConfig(**ADAPTIVE_CONFIG)
     engine.use_drafter(drafter, gamma or None)  # γ 0 names plain decoding, which the config calls drafter "none"
@@ -581,14 +580,11 @@ def generation_trace(engine, prompt_ids, drafter: str, gamma: int | None, sampli
     steps, generated = [], []
     clock = RecordingClock()
     if gamma is None:
-        costs = CostModel()
-        controllers = {part.name: GammaController(ADAPTIVE, costs) for part in engine.drafter.parts()}
-        for controller in controllers.values():
-            controller.start(max_new)
+        policy = RoundPolicy().start(engine.drafter, max_new, ADAPTIVE)
     else:
-        costs, controllers = engine.costs, engine._controllers(max_new)
+        policy = engine.policy.start(engine.drafter, max_new, GammaConfig(fixed=engine.config.gamma, max_gamma=engine.config.max_gamma))
     with fake_stage_time(clock):
-        for step in decode_steps(engine.target, engine.drafter, prompt_ids, sampling, rng, controllers, costs, clock=clock):
+        for step in decode_steps(engine.target, engine.drafter, prompt_ids, sampling, rng, policy, clock=clock):
             steps.append({"tokens": list(step.tokens), "gamma": step.gamma, "drafted": step.n_drafted, "accepted": step.n_accepted,
                           "drafter": step.drafter})
             new = list(step.tokens)

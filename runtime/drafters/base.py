@@ -1,4 +1,11 @@
-"""The drafter interface the loop speaks to."""
+"""The drafter interface the loop speaks to, and the optional capabilities some drafters add.
+
+Every drafter proposes, learns the outcome, and resets for a new sequence. What only some
+need is a capability the policy and the loop check by type: `CostsPasses` (drafting runs model
+passes, which the cost model prices), `CatchesUp` (a draft model with its own cache replays
+what it missed before it drafts), `Selects` (a mixed drafter picks one of its parts per round),
+and the proposals `TrunkProposal` (layer skip) and `CatchUpProposal` (a draft model) carry.
+"""
 
 from __future__ import annotations
 
@@ -17,51 +24,36 @@ class Proposal:
     # q for each drafted token, processed exactly like p; None for a deterministic proposal
     # (prompt lookup), which the loop verifies as q = one-hot.
     draft_probs: np.ndarray | None  # [γ, V]
-    # Layer skip only: the target's first-stage output for [pending, d1..d(γ-1)], with their
-    # KV rows already written, so the verify pass does not compute them again.
-    trunk_hidden: np.ndarray | None = None  # [1, γ, H]
-    # Seconds spent feeding the draft tokens it had not seen (after plain steps): a one-off,
-    # not part of what a draft step costs, so the cost model leaves it out.
-    catch_up_seconds: float = 0.0
-    catch_up_tokens: int = 0
 
     @classmethod
-    def of(cls, tokens: list[int], draft_probs: list[np.ndarray | None], trunk_hidden: np.ndarray | None = None,
-           catch_up_seconds: float = 0.0, catch_up_tokens: int = 0) -> "Proposal":
+    def of(cls, tokens: list[int], draft_probs: list[np.ndarray | None], **extra) -> "Proposal":
         """From per-token picks; q is None when drafted greedily (no distribution needed)."""
         probs = None if draft_probs[0] is None else np.stack(draft_probs)  # [γ,V]
-        return cls(np.array(tokens, dtype=np.int64), probs, trunk_hidden, catch_up_seconds, catch_up_tokens)
+        return cls(np.array(tokens, dtype=np.int64), probs, **extra)
+
+
+@dataclass(frozen=True)
+class TrunkProposal(Proposal):
+    # The target's first-stage output for [pending, d1..d(γ-1)], with their KV rows already
+    # written, so the verify pass does not compute them again.
+    trunk_hidden: np.ndarray  # [1, γ, H]
+
+
+@dataclass(frozen=True)
+class CatchUpProposal(Proposal):
+    # Seconds spent feeding the tokens the drafter had not seen (after plain steps): a one-off,
+    # not part of what a draft step costs, so the cost model prices it apart.
+    catch_up_seconds: float = 0.0
+    catch_up_tokens: int = 0
 
 
 class Drafter(ABC):
     name: str
-    # Drafting costs model passes (a draft model, layer skip) or almost nothing (lookup).
-    costs_passes: bool = True
-    # Seconds, for what a drafter times itself (a draft model's replay); the loop sets its own.
-    clock = staticmethod(time.perf_counter)
 
     @abstractmethod
     def propose(self, tokens: np.ndarray, gamma: int, sampling: SamplingConfig, rng: np.random.Generator) -> Proposal | None:
         """Up to γ tokens to follow `tokens` (committed, the last one not yet fed to the
         target), or None when there is nothing worth verifying."""
-
-    def replay_tokens(self, tokens: np.ndarray) -> int:
-        """Tokens this drafter must feed itself before it can draft after `tokens` (a draft
-        model that sat out plain or copy rounds); the round that drafts next pays for them."""
-        return 0
-
-    def set_clock(self, clock) -> None:
-        """Time with `clock` (the loop's), so a fake clock reaches every measurement."""
-        for part in self.parts():
-            part.clock = clock
-
-    def select(self, tokens: np.ndarray) -> "Drafter":
-        """The drafter that proposes this round (a mixed drafter picks one of its parts)."""
-        return self
-
-    def parts(self) -> list["Drafter"]:
-        """Every drafter that can be selected, each with its own γ controller."""
-        return [self]
 
     def accepted(self, tokens: np.ndarray, n_accepted: int) -> None:
         """Learn the outcome of the last round; `tokens` is the new committed sequence."""
@@ -69,6 +61,49 @@ class Drafter(ABC):
     def reset(self, tokens: np.ndarray = np.zeros(0, dtype=np.int64)) -> None:
         """A new sequence starts with `tokens`: forget everything that is not a prefix of it
         (so a repeated prompt prefix is not fed again)."""
+
+
+class CostsPasses(Drafter):
+    """Drafting runs model passes (a draft model, layer skip): the cost model times its steps.
+    Other drafters (lookup) draft for almost nothing and are priced at zero."""
+
+
+class CatchesUp(CostsPasses):
+    """A drafter with its own cache that sits out plain and copy rounds, so it must first feed
+    itself what it missed; the round that drafts next pays for that replay. It times the replay
+    with `clock` (the loop sets its own) and reports it in a CatchUpProposal."""
+
+    clock = staticmethod(time.perf_counter)
+
+    @abstractmethod
+    def replay_tokens(self, tokens: np.ndarray) -> int:
+        """Tokens this drafter must feed itself before it can draft after `tokens`."""
+
+
+class Selects(Drafter):
+    """A drafter made of parts, one of which drafts each round (the policy asks which)."""
+
+    @abstractmethod
+    def parts(self) -> list[Drafter]:
+        """Every drafter that can be selected, each with its own γ policy."""
+
+    @abstractmethod
+    def select(self, tokens: np.ndarray) -> Drafter:
+        """The part that proposes after `tokens`."""
+
+
+def parts(drafter: Drafter | None) -> list[Drafter]:
+    """The drafters a round can draft with: a mixed drafter's parts, else the drafter itself."""
+    if drafter is None:
+        return []
+    return drafter.parts() if isinstance(drafter, Selects) else [drafter]
+
+
+def use_clock(drafter: Drafter | None, clock) -> None:
+    """Drafters that time themselves (replay) read `clock`, so a fake clock reaches every measurement."""
+    for part in parts(drafter):
+        if isinstance(part, CatchesUp):
+            part.clock = clock
 
 
 def pick_token(logits: np.ndarray, sampling: SamplingConfig, rng: np.random.Generator) -> tuple[int, np.ndarray | None]:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 
 from edge_spec.sampling import SamplingConfig
-from runtime.drafters.base import Drafter, Proposal, pick_token
+from runtime.drafters.base import CatchesUp, CatchUpProposal, pick_token
 from runtime.model import ModelRunner
 
 
-class DraftModelDrafter(Drafter):
+class DraftModelDrafter(CatchesUp):
     name = "model"
 
     def __init__(self, runner: ModelRunner):
@@ -20,15 +20,17 @@ class DraftModelDrafter(Drafter):
         gamma = min(gamma, cache.max_context - len(tokens) + 1)
         if gamma <= 0:
             return None
-        # Catch up on what the draft has not seen: the whole prompt at first, then the one or
-        # two tokens the last round committed.
+        # Catch up on what the draft has not seen: the pending token, and after a round accepted
+        # in full the last drafted token before it, in one pass; more is replay, timed apart.
         missing = tokens[cache.kv_len :]
         replay = self.replay_tokens(tokens)
-        began = self.clock()
-        if len(missing) > 1:
+        catch_up = 0.0
+        if replay:
+            began = self.clock()
             self.runner.prefill(missing[:-1])
-        catch_up = self.clock() - began if replay else 0.0
-        logits = self.runner.forward(missing[-1:], n_logits=1)[-1]  # [V]
+            catch_up = self.clock() - began
+            missing = missing[-1:]
+        logits = self.runner.forward(missing, n_logits=1)[-1]  # [V]
         drafted, draft_probs = [], []
         for i in range(gamma):
             token, token_probs = pick_token(logits, sampling, rng)
@@ -36,7 +38,7 @@ class DraftModelDrafter(Drafter):
             draft_probs.append(token_probs)
             if i + 1 < gamma:
                 logits = self.runner.forward([token])[-1]  # [V]
-        return Proposal.of(drafted, draft_probs, catch_up_seconds=catch_up, catch_up_tokens=replay)
+        return CatchUpProposal.of(drafted, draft_probs, catch_up_seconds=catch_up, catch_up_tokens=replay)
 
     def replay_tokens(self, tokens):
         # More than the one token a round leaves unfed is replay after plain or copy rounds: a

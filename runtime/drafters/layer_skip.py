@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.drafters.base import Drafter, Proposal, pick_token
+from runtime.drafters.base import CostsPasses, TrunkProposal, pick_token
 from runtime.model import ModelRunner
 
 
-class LayerSkipDrafter(Drafter):
+class LayerSkipDrafter(CostsPasses):
     name = "layer-skip"
 
     def __init__(self, runner: ModelRunner):
@@ -35,4 +35,4 @@ class LayerSkipDrafter(Drafter):
             token, token_probs = pick_token(logits, sampling, rng)
             drafted.append(token)
             draft_probs.append(token_probs)
-        return Proposal.of(drafted, draft_probs, np.concatenate(hidden, axis=1))
+        return TrunkProposal.of(drafted, draft_probs, trunk_hidden=np.concatenate(hidden, axis=1))

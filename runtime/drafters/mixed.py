@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from runtime.drafters.base import Drafter
+from runtime.drafters.base import Drafter, Selects
 from runtime.drafters.prompt_lookup import PromptLookupDrafter
 
 
-class MixedDrafter(Drafter):
+class MixedDrafter(Selects):
     name = "auto"
 
     def __init__(self, lookup: PromptLookupDrafter, model: Drafter | None):

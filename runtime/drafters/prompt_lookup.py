@@ -13,7 +13,6 @@ from runtime.drafters.base import Drafter, Proposal
 
 class PromptLookupDrafter(Drafter):
     name = "lookup"
-    costs_passes = False
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 2):
         self.max_ngram = max_ngram

@@ -1,16 +1,16 @@
 package dev.edgespec
 
-import dev.edgespec.core.CostModel
 import dev.edgespec.core.DraftModelDrafter
 import dev.edgespec.core.Drafter
 import dev.edgespec.core.GammaConfig
-import dev.edgespec.core.GammaController
+import dev.edgespec.core.PartPolicy
 import dev.edgespec.core.Hidden
 import dev.edgespec.core.KvCache
 import dev.edgespec.core.Loop
 import dev.edgespec.core.MixedDrafter
 import dev.edgespec.core.Pcg64
 import dev.edgespec.core.PromptLookupDrafter
+import dev.edgespec.core.RoundPolicy
 import dev.edgespec.core.SamplingConfig
 import dev.edgespec.core.Step
 import dev.edgespec.core.TargetModel
@@ -55,11 +55,10 @@ class FakeModel(maxContext: Int = 64, private val vocab: Int = 16, private val s
 
 class LoopTest {
     private fun run(target: FakeModel, drafter: Drafter?, prompt: LongArray, n: Int, sampling: SamplingConfig = SamplingConfig(), gamma: Int? = 4): List<Step> {
-        val costs = CostModel()
-        val controllers = drafter?.parts()?.associate { it.name to GammaController(GammaConfig(fixed = gamma), costs) } ?: emptyMap()
+        val policy = RoundPolicy().start(drafter, config = GammaConfig(fixed = gamma))
         val steps = ArrayList<Step>()
         var total = 0
-        for (step in Loop.decodeSteps(target, drafter, prompt, sampling, Pcg64(sampling.seed ?: 0), controllers, costs)) {
+        for (step in Loop.decodeSteps(target, drafter, prompt, sampling, Pcg64(sampling.seed ?: 0), policy)) {
             steps.add(step); total += step.tokens.size
             assertEquals(prompt.size + total - 1, target.cache.kvLen, "kv_len: every committed token but the pending one")
             if (total >= n) break
@@ -86,6 +85,22 @@ class LoopTest {
     fun `a perfect draft emits gamma plus one tokens per target pass`() {
         val steps = run(FakeModel(), DraftModelDrafter(FakeModel(agree = 1.0)), prompt, 30, gamma = 4)
         assertTrue(steps.dropLast(1).all { it.tokens.size == 5 && it.nAccepted == 4 })
+    }
+
+    @Test
+    fun `after a fully accepted round the draft catches up in one 2-token pass`() {
+        val draft = FakeModel(agree = 1.0)
+        val drafter = DraftModelDrafter(draft)
+        val rounds = Loop.decodeSteps(FakeModel(), drafter, prompt, SamplingConfig(), Pcg64(0), RoundPolicy().start(drafter, config = GammaConfig(fixed = 4))).iterator()
+        val out = rounds.next().tokens.toMutableList()
+        repeat(5) {
+            val before = draft.passes
+            val step = rounds.next()
+            assertEquals(4, step.nAccepted)
+            assertEquals(4, draft.passes - before, "[d_γ, bonus] in one pass, then γ - 1 drafting passes")
+            out += step.tokens
+        }
+        assertEquals(tokens(run(FakeModel(), null, prompt, out.size), out.size), out)
     }
 
     @Test
@@ -135,10 +150,10 @@ class LoopTest {
 
     @Test
     fun `adaptive gamma drafts long when drafting is free and acceptance high, not at all when it is costly`() {
-        val costs = CostModel().apply { for (b in 1..9) recordTarget(b, 0.01) }
-        val c = GammaController(GammaConfig(), costs, priorAlpha = 0.95)
+        val costs = dev.edgespec.core.CostModel().apply { for (b in 1..9) recordTarget(b, 0.01) }
+        val c = PartPolicy(GammaConfig(), costs, priorAlpha = 0.95)
         assertEquals(8, c.choose(0.0))
-        val slow = GammaController(GammaConfig(), costs, priorAlpha = 0.1)
+        val slow = PartPolicy(GammaConfig(), costs, priorAlpha = 0.1)
         assertEquals(0, slow.choose(0.05))
     }
 }

@@ -1,9 +1,8 @@
 package dev.edgespec
 
-import dev.edgespec.core.CostModel
 import dev.edgespec.core.Engine
 import dev.edgespec.core.GammaConfig
-import dev.edgespec.core.GammaController
+import dev.edgespec.core.RoundPolicy
 import dev.edgespec.core.monotonicSeconds
 import dev.edgespec.core.EngineConfig
 import dev.edgespec.core.GenerateConfig
@@ -72,14 +71,11 @@ class ModelConformanceTest {
         val steps = gen.getJSONArray("steps").objects()
         val readings = if (adaptive) gen.getJSONArray("clock").doubles() else null
         val clock = readings?.let { ReplayClock(it) }
-        val costs = if (adaptive) CostModel() else engine.costs
-        val controllers = if (!adaptive) engine.controllers() else engine.drafter!!.parts().associate {
-            it.name to GammaController(GammaConfig(maxGamma = gen.getInt("max_gamma"), maxLoss = gen.getDouble("max_loss"),
-                maxFailedProbes = gen.getInt("max_failed_probes")), costs).also { c -> c.start(maxNew) }
-        }
+        val policy = if (!adaptive) engine.startPolicy(engine.drafter) else RoundPolicy().start(engine.drafter, maxNew,
+            GammaConfig(maxGamma = gen.getInt("max_gamma"), maxLoss = gen.getDouble("max_loss"), maxFailedProbes = gen.getInt("max_failed_probes")))
         // Lazily, so the first round that differs is the one reported.
         val rounds = Loop.decodeSteps(engine.target, engine.drafter, promptIds.map { it.toLong() }.toLongArray(), sampling, replay,
-            controllers, costs, clock ?: monotonicSeconds).iterator()
+            policy, clock ?: monotonicSeconds).iterator()
         for ((i, step) in steps.withIndex()) {
             val got = rounds.next()
             assertEquals(step.getInt("gamma"), got.gamma, "$what round $i γ")

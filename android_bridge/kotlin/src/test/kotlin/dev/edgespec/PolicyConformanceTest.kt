@@ -5,15 +5,16 @@ import dev.edgespec.core.CostModel
 import dev.edgespec.core.DraftModelDrafter
 import dev.edgespec.core.Drafter
 import dev.edgespec.core.GammaConfig
-import dev.edgespec.core.GammaController
 import dev.edgespec.core.Hidden
 import dev.edgespec.core.KvCache
 import dev.edgespec.core.Loop
 import dev.edgespec.core.MixedDrafter
 import dev.edgespec.core.Pcg64
 import dev.edgespec.core.PromptLookupDrafter
+import dev.edgespec.core.CatchUpProposal
 import dev.edgespec.core.Proposal
 import dev.edgespec.core.ReplayUniforms
+import dev.edgespec.core.RoundPolicy
 import dev.edgespec.core.SamplingConfig
 import dev.edgespec.core.TargetModel
 import dev.edgespec.core.UniformSource
@@ -59,7 +60,6 @@ class TableModel(private val table: JSONObject, maxContext: Int, override val vo
 /** Python's scripted drafter: the same proposals (tokens and q), asserted to be asked for at the same tokens. */
 class ScriptedDrafter(private val calls: List<JSONObject>) : Drafter() {
     override val name = "scripted"
-    override val costsPasses = false
     private var n = 0
     override fun propose(tokens: LongArray, gamma: Int, sampling: SamplingConfig, rng: UniformSource): Proposal {
         check(n < calls.size) { "more proposals asked for than Python's loop asked" }
@@ -133,15 +133,15 @@ class PolicyConformanceTest {
             }
             val sampling = SamplingConfig(case.getDouble("temperature"), case.getInt("top_k"), case.getDouble("top_p"),
                 if (case.isNull("seed")) null else case.getLong("seed"))
-            val costs = CostModel()
             val config = if (case.isNull("gamma")) GammaConfig(maxGamma = case.getInt("max_gamma"), maxLoss = case.getDouble("max_loss"),
                 maxFailedProbes = case.getInt("max_failed_probes")) else GammaConfig(fixed = case.getInt("gamma"))
-            val controllers = drafter.parts().associate { it.name to GammaController(config, costs).also { c -> if (case.has("horizon")) c.start(case.getInt("horizon")) } }
+            val policy = RoundPolicy().start(drafter, if (case.has("horizon")) case.getInt("horizon") else 256, config)
+            val costs = policy.costs
             val uniforms = ReplayUniforms(case.getJSONArray("uniforms").doubles())
             val readings = if (case.has("clock")) case.getJSONArray("clock").doubles() else null
             val clock = readings?.let { ReplayClock(it) }
             val rounds = case.getJSONArray("rounds").objects()
-            val steps = Loop.decodeSteps(target, drafter, case.getJSONArray("prompt").longs(), sampling, uniforms, controllers, costs,
+            val steps = Loop.decodeSteps(target, drafter, case.getJSONArray("prompt").longs(), sampling, uniforms, policy,
                 clock ?: { 0.0 }).iterator()
             for ((i, round) in rounds.withIndex()) {
                 val step = steps.next()
@@ -191,7 +191,7 @@ class PolicyConformanceTest {
                     assertEquals(op.getInt("replay"), drafter.replayTokens(tokens), "$what: tokens to replay")
                     val proposal = drafter.propose(tokens, op.getInt("gamma"), SamplingConfig(), Pcg64(0))!!
                     assertEquals(op.getJSONArray("draft").longs().toList(), proposal.tokens.toList(), "$what: drafted")
-                    assertEquals(op.getInt("catch_up_tokens"), proposal.catchUpTokens, "$what: replayed tokens")
+                    assertEquals(op.getInt("catch_up_tokens"), (proposal as CatchUpProposal).catchUpTokens, "$what: replayed tokens")
                 }
             }
             assertEquals(op.getInt("kv_len"), draft.cache.kvLen, "$what: draft kv_len")

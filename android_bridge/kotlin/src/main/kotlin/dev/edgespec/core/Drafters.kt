@@ -1,31 +1,29 @@
 package dev.edgespec.core
 
+/** Up to γ proposed tokens; draftProbs = q per token (null: deterministic, verified as one-hot). */
+open class Proposal(val tokens: LongArray, val draftProbs: Array<DoubleArray>?)
+
+/** Layer skip's: the trunk's output for [pending, d1..d(γ-1)], rows already written, so the verify pass skips them. */
+class TrunkProposal(tokens: LongArray, draftProbs: Array<DoubleArray>?, val trunkHidden: Hidden) : Proposal(tokens, draftProbs)
+
 /**
- * Up to γ proposed tokens; draftProbs = q per token (null: deterministic, verified as one-hot).
- * catchUpSeconds/catchUpTokens: the replay of tokens a draft model had not seen (after plain or
- * copy rounds), a one-off the cost model prices apart from a draft step (runtime/drafters/base.py).
+ * A draft model's: catchUpSeconds/catchUpTokens are the replay of tokens it had not seen (after plain
+ * or copy rounds), a one-off the cost model prices apart from a draft step (runtime/drafters/base.py).
  */
-class Proposal(
-    val tokens: LongArray, val draftProbs: Array<DoubleArray>?, val trunkHidden: Hidden? = null,
-    val catchUpSeconds: Double = 0.0, val catchUpTokens: Int = 0,
-)
+class CatchUpProposal(
+    tokens: LongArray, draftProbs: Array<DoubleArray>?, val catchUpSeconds: Double = 0.0, val catchUpTokens: Int = 0,
+) : Proposal(tokens, draftProbs)
 
 /** Seconds from the JVM's monotonic clock: what the loop and drafters time with unless given another. */
 val monotonicSeconds: () -> Double = { System.nanoTime() / 1e9 }
 
-/** The drafter interface the loop speaks to (runtime/drafters/base.py). */
+/**
+ * The drafter interface the loop speaks to (runtime/drafters/base.py): what every drafter needs. What
+ * only some need is a capability checked by type: [CostsPasses], [CatchesUp], [Selects].
+ */
 abstract class Drafter {
     abstract val name: String
-    open val costsPasses: Boolean = true
-    /** What a drafter times itself with (a draft model's replay); the loop sets its own. */
-    var clock: () -> Double = monotonicSeconds
     abstract fun propose(tokens: LongArray, gamma: Int, sampling: SamplingConfig, rng: UniformSource): Proposal?
-    /** Tokens this drafter must feed itself before it can draft after `tokens`; the round that drafts next pays for them. */
-    open fun replayTokens(tokens: LongArray): Int = 0
-    /** Time with `clock` (the loop's), so a fake clock reaches every measurement. */
-    fun useClock(clock: () -> Double) { parts().forEach { it.clock = clock } }
-    open fun select(tokens: LongArray): Drafter = this
-    open fun parts(): List<Drafter> = listOf(this)
     open fun accepted(tokens: LongArray, nAccepted: Int) {}
     open fun reset(tokens: LongArray = LongArray(0)) {}
 
@@ -39,10 +37,35 @@ abstract class Drafter {
     }
 }
 
+/** Drafting runs model passes (a draft model, layer skip): the cost model times its steps; other drafters draft for free. */
+interface CostsPasses
+
+/** A drafter with its own cache that must first feed itself what it missed; it times that replay with `clock` (the loop's). */
+interface CatchesUp : CostsPasses {
+    var clock: () -> Double
+    /** Tokens this drafter must feed itself before it can draft after `tokens`; the round that drafts next pays for them. */
+    fun replayTokens(tokens: LongArray): Int
+}
+
+/** A drafter made of parts, one of which drafts each round (the policy asks which). */
+interface Selects {
+    fun parts(): List<Drafter>
+    fun select(tokens: LongArray): Drafter
+}
+
+/** The drafters a round can draft with: a mixed drafter's parts, else the drafter itself. */
+fun partsOf(drafter: Drafter?): List<Drafter> = when (drafter) {
+    null -> emptyList()
+    is Selects -> drafter.parts()
+    else -> listOf(drafter)
+}
+
+/** Drafters that time themselves (replay) read `clock`, so a fake clock reaches every measurement. */
+fun useClock(drafter: Drafter?, clock: () -> Double) { partsOf(drafter).forEach { if (it is CatchesUp) it.clock = clock } }
+
 /** Copy what followed the latest earlier occurrence of the longest suffix n-gram. */
 class PromptLookupDrafter(private val maxNgram: Int = 4, private val minNgram: Int = 2) : Drafter() {
     override val name = "lookup"
-    override val costsPasses = false
 
     fun find(tokens: LongArray, gamma: Int): LongArray {
         val length = tokens.size
@@ -69,19 +92,25 @@ class PromptLookupDrafter(private val maxNgram: Int = 4, private val minNgram: I
 }
 
 /** A smaller same-tokenizer model drafts γ tokens from its own KV cache. */
-class DraftModelDrafter(val runner: TargetModel) : Drafter() {
+class DraftModelDrafter(val runner: TargetModel) : Drafter(), CatchesUp {
     override val name = "model"
+    override var clock: () -> Double = monotonicSeconds
 
     override fun propose(tokens: LongArray, gamma: Int, sampling: SamplingConfig, rng: UniformSource): Proposal? {
         val cache = runner.cache
         val g = minOf(gamma, cache.maxContext - tokens.size + 1)
         if (g <= 0) return null
-        val missing = tokens.copyOfRange(cache.kvLen, tokens.size)
+        // The pending token, and after a round accepted in full the last drafted token before it, go in one pass; more is replay, timed apart.
+        var missing = tokens.copyOfRange(cache.kvLen, tokens.size)
         val replay = replayTokens(tokens)
-        val began = clock()
-        if (missing.size > 1) runner.prefill(missing.copyOfRange(0, missing.size - 1))
-        val catchUp = if (replay > 0) clock() - began else 0.0
-        var logits = runner.forward(missing.copyOfRange(missing.size - 1, missing.size), nLogits = 1).last()
+        var catchUp = 0.0
+        if (replay > 0) {
+            val began = clock()
+            runner.prefill(missing.copyOfRange(0, missing.size - 1))
+            catchUp = clock() - began
+            missing = missing.copyOfRange(missing.size - 1, missing.size)
+        }
+        var logits = runner.forward(missing, nLogits = 1).last()
         val drafted = LongArray(g)
         val probs = arrayOfNulls<DoubleArray>(g)
         for (i in 0 until g) {
@@ -89,7 +118,7 @@ class DraftModelDrafter(val runner: TargetModel) : Drafter() {
             drafted[i] = token.toLong(); probs[i] = q
             if (i + 1 < g) logits = runner.forward(longArrayOf(token.toLong())).last()
         }
-        return Proposal(drafted, if (sampling.greedy) null else Array(g) { probs[it]!! }, null, catchUp, replay)
+        return CatchUpProposal(drafted, if (sampling.greedy) null else Array(g) { probs[it]!! }, catchUp, replay)
     }
 
     /** More than the one token a round leaves unfed is replay after plain or copy rounds, not what a draft step costs. */
@@ -109,7 +138,7 @@ class DraftModelDrafter(val runner: TargetModel) : Drafter() {
 }
 
 /** Self-speculation: the target's first stage (trunk) plus its head, writing into the target's cache. */
-class LayerSkipDrafter(val runner: ModelRunner) : Drafter() {
+class LayerSkipDrafter(val runner: ModelRunner) : Drafter(), CostsPasses {
     override val name = "layer-skip"
 
     override fun propose(tokens: LongArray, gamma: Int, sampling: SamplingConfig, rng: UniformSource): Proposal? {
@@ -128,12 +157,12 @@ class LayerSkipDrafter(val runner: ModelRunner) : Drafter() {
             val (t, q) = pickToken(logits, sampling, rng)
             token = t.toLong(); drafted[i] = token; probs[i] = q
         }
-        return Proposal(drafted, if (sampling.greedy) null else Array(g) { probs[it]!! }, hidden)
+        return TrunkProposal(drafted, if (sampling.greedy) null else Array(g) { probs[it]!! }, hidden!!)
     }
 }
 
 /** Copy when the text repeats, otherwise draft with a model: chosen per round. */
-class MixedDrafter(val lookup: PromptLookupDrafter, val model: Drafter?) : Drafter() {
+class MixedDrafter(val lookup: PromptLookupDrafter, val model: Drafter?) : Drafter(), Selects {
     override val name = "auto"
     override fun select(tokens: LongArray): Drafter = if (model == null || lookup.find(tokens, 1).isNotEmpty()) lookup else model
     override fun parts(): List<Drafter> = listOfNotNull(lookup, model)

@@ -48,6 +48,8 @@ class Engine(val bundleDir: File, val config: EngineConfig = EngineConfig(), sta
         private set
     private var gamma: Int? = config.gamma
     val costs = CostModel()
+    /** Keeps each drafter's α across generations, as runtime/engine.py does. */
+    val policy = RoundPolicy(costs)
     private val lock = Any()
 
     init { useDrafter(config.drafter, config.gamma) }
@@ -84,10 +86,9 @@ class Engine(val bundleDir: File, val config: EngineConfig = EngineConfig(), sta
 
     fun encode(text: String, addSpecialTokens: Boolean = true): IntArray = tokenizer.encode(text, addSpecialTokens)
 
-    fun controllers(horizonTokens: Int = 256): Map<String, GammaController> {
-        val gc = GammaConfig(fixed = gamma, maxGamma = config.maxGamma)
-        return drafter?.parts()?.associate { it.name to GammaController(gc, costs).also { c -> c.start(horizonTokens) } } ?: emptyMap()
-    }
+    /** The policy started for a sequence of up to horizonTokens with `drafter` (null: plain) and this engine's γ setting. */
+    fun startPolicy(drafter: Drafter?, horizonTokens: Int = 256): RoundPolicy =
+        policy.start(drafter, horizonTokens, GammaConfig(fixed = gamma, maxGamma = config.maxGamma))
 
     /** Generates from prompt ids; `onPiece` receives text as tokens are accepted; `cancelled` is polled per pass. */
     fun generate(
@@ -105,8 +106,8 @@ class Engine(val bundleDir: File, val config: EngineConfig = EngineConfig(), sta
         var stopReason: String? = null
         var text = ""
         val active = if (speculative) drafter else null
-        val ctrls = if (active != null) controllers(config.maxNewTokens) else emptyMap()
-        for (step in Loop.decodeSteps(target, active, LongArray(promptIds.size) { promptIds[it].toLong() }, config.sampling, random, ctrls, costs)) {
+        val started = startPolicy(active, config.maxNewTokens)
+        for (step in Loop.decodeSteps(target, active, LongArray(promptIds.size) { promptIds[it].toLong() }, config.sampling, random, started)) {
             steps.add(step)
             // A round may commit tokens past where plain decoding would have stopped (Commit: budget, context, EOS, stop strings).
             val room = maxContext - promptIds.size - generated.size

@@ -6,7 +6,7 @@ data class Step(
     val draftSeconds: Double, val targetSeconds: Double, val drafter: String?,
 )
 
-/** The speculative loop (runtime/loop.py): draft, verify in one target pass, accept, roll back by length. */
+/** The speculative loop (runtime/loop.py): choose, draft, verify in one target pass, accept, roll back by length, report. */
 object Loop {
     fun verify(logits: Array<FloatArray>, proposal: Proposal?, sampling: SamplingConfig, rng: UniformSource): Pair<Int, Int> {
         val draftTokens = proposal?.tokens ?: LongArray(0)
@@ -17,34 +17,29 @@ object Loop {
     }
 
     /**
-     * A lazy sequence of rounds; the caller stops consuming when it has enough. `clock` (seconds) is
-     * read for every timing the cost model and γ controllers learn from, the drafters' included, so
+     * A lazy sequence of rounds; the caller stops consuming when it has enough. `policy`, started for this
+     * drafter and sequence ([RoundPolicy.start]), chooses each round's drafter and γ and learns from each
+     * round. `clock` (seconds) is read for every timing the policy learns from, the drafters' included, so
      * a fake clock makes adaptive γ deterministic (runtime/loop.py decode_steps).
      */
     fun decodeSteps(
         target: TargetModel, drafter: Drafter?, promptIds: LongArray, sampling: SamplingConfig, rng: UniformSource,
-        controllers: Map<String, GammaController>, costs: CostModel, clock: () -> Double = monotonicSeconds,
+        policy: RoundPolicy, clock: () -> Double = monotonicSeconds,
     ): Sequence<Step> = sequence {
         var tokens = promptIds.copyOf()
         val head = tokens.copyOfRange(0, tokens.size - 1)
         target.cache.rollbackToPrefix(head)
-        drafter?.useClock(clock)
+        useClock(drafter, clock)
         drafter?.reset(head)
         target.prefill(tokens.copyOfRange(target.cache.kvLen, tokens.size - 1))
         while (true) {
             val began = clock()
-            val active = drafter?.select(tokens)
-            var nGamma = 0
-            if (active != null) {
-                val stepCost = if (active.costsPasses) costs.draftStep[active.name] ?: 0.0 else 0.0
-                val replayCost = costs.replayCost(active.name, active.replayTokens(tokens))
-                nGamma = minOf(controllers.getValue(active.name).choose(stepCost, replayCost), target.cache.maxContext - tokens.size)
-            }
-            val proposal = if (nGamma > 0) active!!.propose(tokens, nGamma, sampling, rng) else null
+            val (active, chosen) = policy.choose(tokens)
+            val gamma = minOf(chosen, target.cache.maxContext - tokens.size)
+            val proposal = if (gamma > 0) active!!.propose(tokens, gamma, sampling, rng) else null
             val drafted = clock()
-            val nDrafted = proposal?.tokens?.size ?: 0
             val block = if (proposal == null) longArrayOf(tokens.last()) else longArrayOf(tokens.last()) + proposal.tokens
-            val logits = target.forward(block, trunkHidden = proposal?.trunkHidden)
+            val logits = target.forward(block, trunkHidden = (proposal as? TrunkProposal)?.trunkHidden)
             val verified = clock()
             val (nAccepted, next) = verify(logits, proposal, sampling, rng)
             val newTokens = block.copyOfRange(1, 1 + nAccepted) + next.toLong()
@@ -52,19 +47,9 @@ object Loop {
             // tokens minus the last: the pending token never keeps a row, even if it equals a rejected draft.
             target.cache.rollbackToPrefix(tokens.copyOfRange(0, tokens.size - 1))
             drafter?.accepted(tokens, nAccepted)
-            val draftS = drafted - began
-            val targetS = verified - drafted
-            costs.recordTarget(block.size, targetS)
-            if (nDrafted > 0) {
-                val controller = controllers.getValue(active!!.name)
-                controller.update(nDrafted, nAccepted)
-                controller.recordRound(verified - began, newTokens.size)
-                if (active.costsPasses) {
-                    costs.recordDraft(active.name, nDrafted, draftS - proposal!!.catchUpSeconds)
-                    costs.recordReplay(active.name, proposal.catchUpTokens, proposal.catchUpSeconds)
-                }
-            }
-            yield(Step(newTokens.map { it.toInt() }, nGamma, nDrafted, nAccepted, draftS, targetS, if (nDrafted > 0) active!!.name else null))
+            val done = Round.of(active, gamma, proposal, nAccepted, newTokens.size, began, drafted, verified)
+            policy.observe(done)
+            yield(Step(newTokens.map { it.toInt() }, gamma, done.nDrafted, nAccepted, done.draftSeconds, done.targetSeconds, done.drafter))
         }
     }
 }

@@ -1,0 +1,150 @@
+package dev.edgespec.core
+
+/** What one round did, as the loop reports it to the policy (runtime/policy.py Round). */
+data class Round(
+    val drafter: String?, val gamma: Int, val nDrafted: Int, val nAccepted: Int, val nCommitted: Int,
+    val draftSeconds: Double, val targetSeconds: Double, val roundSeconds: Double,
+    val catchUpTokens: Int = 0, val catchUpSeconds: Double = 0.0,
+) {
+    companion object {
+        fun of(drafter: Drafter?, gamma: Int, proposal: Proposal?, nAccepted: Int, nCommitted: Int,
+               began: Double, drafted: Double, verified: Double): Round {
+            val nDrafted = proposal?.tokens?.size ?: 0
+            val caughtUp = proposal as? CatchUpProposal
+            return Round(if (nDrafted > 0) drafter!!.name else null, gamma, nDrafted, nAccepted, nCommitted,
+                drafted - began, verified - drafted, verified - began, caughtUp?.catchUpTokens ?: 0, caughtUp?.catchUpSeconds ?: 0.0)
+        }
+    }
+}
+
+/** Per-token acceptance from decayed pseudo-counts: the MLE for a geometric run truncated at γ. */
+class AlphaEstimate(priorAlpha: Double, private val decay: Double) {
+    var accepted = 2.0 * priorAlpha
+    var rejected = 2.0 * (1.0 - priorAlpha)
+    val value: Double get() = accepted / (accepted + rejected)
+
+    /** A new sequence: keep the estimate, shrunk to a prior of at most priorWeight rounds. */
+    fun carryOver(priorWeight: Double) {
+        val evidence = accepted + rejected
+        if (evidence > priorWeight) { val shrink = priorWeight / evidence; accepted *= shrink; rejected *= shrink }
+    }
+
+    fun update(nDrafted: Int, nAccepted: Int) {
+        accepted = decay * accepted + nAccepted
+        rejected = decay * rejected + (if (nAccepted < nDrafted) 1.0 else 0.0)
+    }
+}
+
+/** When a switched-off drafter drafts once more: after probeFirst plain steps, doubling up to probeEvery, until maxFailedProbes in a row fail. */
+class ProbeSchedule(private val config: GammaConfig) {
+    var plainSteps = 0
+    var gap = config.probeFirst
+    var failed = 0
+    var probing = false
+
+    fun start() { plainSteps = 0; gap = config.probeFirst; failed = 0; probing = false }
+    fun speculating() { plainSteps = 0; gap = config.probeFirst; failed = 0 }
+    /** Counts a plain step; true when a probe is due. */
+    fun sitOut(): Boolean { plainSteps += 1; return plainSteps >= gap && failed < config.maxFailedProbes }
+    fun probe() { plainSteps = 0; gap = minOf(2 * gap, config.probeEvery); probing = true }
+    /** A probe fails only when the target rejects a drafted token (runtime/policy.py). */
+    fun outcome(nDrafted: Int, nAccepted: Int) { if (probing) { failed = if (nAccepted == nDrafted) 0 else failed + 1; probing = false } }
+}
+
+/** What a drafter's rounds lost against plain decoding in this sequence, by the clock; wins earn room for later rounds. */
+class LossLedger(private val maxLoss: Double, private val costs: CostModel) {
+    var horizonTokens = 256
+    var lossSeconds = 0.0
+
+    fun start(horizonTokens: Int = 256) { this.horizonTokens = horizonTokens; lossSeconds = 0.0 }
+    /** A round took `seconds` and committed nTokens, which plain decoding takes nTokens 1-token passes for. */
+    fun record(seconds: Double, nTokens: Int) { lossSeconds += seconds - nTokens * costs.targetCost(1) }
+    /** Lost, or would lose with atRisk more seconds (a probe's expected loss), more than maxLoss of the sequence's plain time. */
+    fun overBudget(atRisk: Double = 0.0): Boolean = lossSeconds + atRisk > maxLoss * horizonTokens * costs.targetCost(1)
+}
+
+/** γ for one drafter (one part of a mixed drafter): the argmax of the expected speedup, read from its α estimate, probe schedule and ledger. */
+class PartPolicy(val config: GammaConfig, val costs: CostModel, priorAlpha: Double = 0.6) {
+    val estimate = AlphaEstimate(priorAlpha, config.decay)
+    val probes = ProbeSchedule(config)
+    val ledger = LossLedger(config.maxLoss, costs)
+    val alpha: Double get() = estimate.value
+
+    init { start() }
+
+    /** A new sequence of up to horizonTokens: probe soon again (α carries over as a prior) and open a new loss ledger. */
+    fun start(horizonTokens: Int = 256) { probes.start(); ledger.start(horizonTokens); estimate.carryOver(config.priorWeight) }
+
+    fun roundCost(gamma: Int, draftStepCost: Double, replaySeconds: Double = 0.0): Double =
+        replaySeconds + gamma * draftStepCost + costs.targetCost(gamma + 1)
+
+    fun expectedSpeedup(gamma: Int, draftStepCost: Double, replaySeconds: Double = 0.0): Double {
+        if (gamma == 0) return 1.0
+        val tokens = Verify.expectedTokensPerPass(alpha, gamma)
+        return tokens * costs.targetCost(1) / roundCost(gamma, draftStepCost, replaySeconds)
+    }
+
+    fun choose(draftStepCost: Double, replaySeconds: Double = 0.0): Int {
+        config.fixed?.let { return it }
+        if (ledger.overBudget()) return 0
+        val gains = DoubleArray(config.maxGamma + 1) { expectedSpeedup(it, draftStepCost, replaySeconds) }
+        val best = Sampling.argmax(gains)
+        if (gains[best] >= config.minGain) { probes.speculating(); return best }
+        val probe = 1 + Sampling.argmax(gains.copyOfRange(1, gains.size))
+        val expectedLoss = roundCost(probe, draftStepCost, replaySeconds) * (1.0 - gains[probe])
+        if (probes.sitOut() && !ledger.overBudget(expectedLoss)) { probes.probe(); return probe }
+        return 0
+    }
+
+    fun update(nDrafted: Int, nAccepted: Int) {
+        if (nDrafted == 0) return
+        probes.outcome(nDrafted, nAccepted)
+        estimate.update(nDrafted, nAccepted)
+    }
+}
+
+/**
+ * The round policy (runtime/policy.py RoundPolicy), one per engine: the cost model, and a PartPolicy per
+ * (drafter, part, γ config) for the engine's life, so α carries over between sequences while probes and
+ * the ledger restart. The loop asks [choose] before each round and reports [observe] once after it.
+ */
+class RoundPolicy(val costs: CostModel = CostModel(), private val priorAlpha: Double = 0.6) {
+    private val learned = HashMap<Triple<String, String, GammaConfig>, PartPolicy>()
+    var drafter: Drafter? = null
+        private set
+    var parts: Map<String, PartPolicy> = emptyMap()
+        private set
+    private var priced: Set<String> = emptySet()
+
+    /** A new sequence of up to horizonTokens, drafted by `drafter` (null: plain decoding). */
+    fun start(drafter: Drafter?, horizonTokens: Int = 256, config: GammaConfig = GammaConfig()): RoundPolicy {
+        this.drafter = drafter
+        parts = partsOf(drafter).associate { part ->
+            part.name to learned.getOrPut(Triple(drafter!!.name, part.name, config)) { PartPolicy(config, costs, priorAlpha) }.also { it.start(horizonTokens) }
+        }
+        priced = partsOf(drafter).filter { it is CostsPasses }.map { it.name }.toSet()
+        return this
+    }
+
+    /** The drafter for the round after `tokens` (a mixed drafter's part) and its γ (0: plain). */
+    fun choose(tokens: LongArray): Pair<Drafter?, Int> {
+        val top = drafter ?: return null to 0
+        val part = if (top is Selects) top.select(tokens) else top
+        val stepCost = if (part is CostsPasses) costs.draftStep[part.name] ?: 0.0 else 0.0
+        val replay = if (part is CatchesUp) costs.replayCost(part.name, part.replayTokens(tokens)) else 0.0
+        return part to parts.getValue(part.name).choose(stepCost, replay)
+    }
+
+    /** Learns from a finished round: the verify pass's cost, and for a drafted round its drafter's α, probe, ledger, draft and replay costs. */
+    fun observe(done: Round) {
+        costs.recordTarget(done.nDrafted + 1, done.targetSeconds)
+        if (done.nDrafted == 0) return
+        val part = parts.getValue(done.drafter!!)
+        part.update(done.nDrafted, done.nAccepted)
+        part.ledger.record(done.roundSeconds, done.nCommitted)
+        if (done.drafter in priced) {
+            costs.recordDraft(done.drafter, done.nDrafted, done.draftSeconds - done.catchUpSeconds)
+            costs.recordReplay(done.drafter, done.catchUpTokens, done.catchUpSeconds)
+        }
+    }
+}

@@ -1,0 +1,254 @@
+"""The round policy: which drafter drafts the next round and how many tokens, from measured costs.
+
+For acceptance α, γ drafted tokens yield E(α, γ) = (1 − α^(γ+1)) / (1 − α) tokens per target
+pass. A round costs γ draft steps plus one target pass over γ+1 tokens, against one 1-token
+pass per token for plain decoding, so the expected speedup of γ is
+
+    E(α, γ) · t_target(1) / (γ · t_draft + t_target(γ + 1)),
+
+which is the textbook E / (1 + γc) when a (γ+1)-token pass costs what a 1-token pass does.
+Both t_draft and the verify-cost curve t_target(T) are measured on this device (CostModel).
+
+The loop asks `RoundPolicy.choose(tokens)` before each round and reports `observe(round)` once
+after it; everything the policy learns (costs, α, probes, the loss ledger) goes through those.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from edge_spec.verify import expected_tokens_per_pass
+from runtime.drafters.base import CatchesUp, CatchUpProposal, CostsPasses, Drafter, Proposal, Selects, parts
+from runtime.gamma import CostModel, GammaConfig
+
+
+@dataclass(frozen=True)
+class Round:
+    """What one round did, as the loop reports it to the policy."""
+
+    drafter: str | None  # the part that drafted; None: a plain step
+    gamma: int  # γ asked of it
+    n_drafted: int
+    n_accepted: int
+    n_committed: int
+    draft_s: float  # choosing and drafting, replay included
+    target_s: float  # the verify pass
+    round_s: float  # the whole round, as the clock read it
+    catch_up_tokens: int = 0
+    catch_up_s: float = 0.0
+
+    @classmethod
+    def of(cls, drafter: Drafter | None, gamma: int, proposal: Proposal | None, n_accepted: int, n_committed: int,
+           began: float, drafted_at: float, verified_at: float) -> "Round":
+        n_drafted = 0 if proposal is None else len(proposal.tokens)
+        caught_up = proposal if isinstance(proposal, CatchUpProposal) else None
+        return cls(drafter.name if n_drafted else None, gamma, n_drafted, n_accepted, n_committed,
+                   drafted_at - began, verified_at - drafted_at, verified_at - began,
+                   caught_up.catch_up_tokens if caught_up else 0, caught_up.catch_up_seconds if caught_up else 0.0)
+
+
+class AlphaEstimate:
+    """Per-token acceptance from decayed pseudo-counts: accepted / (accepted + rejections), the
+    MLE for a geometric run truncated at γ (positions after a rejection are never observed)."""
+
+    def __init__(self, prior_alpha: float, decay: float):
+        # Pseudo-counts: a weak prior that measured rounds quickly override.
+        self.n_accepted = 2.0 * prior_alpha
+        self.n_rejected = 2.0 * (1.0 - prior_alpha)
+        self.decay = decay
+
+    @property
+    def value(self) -> float:
+        return self.n_accepted / (self.n_accepted + self.n_rejected)
+
+    def carry_over(self, prior_weight: float) -> None:
+        """A new sequence: keep the estimate, shrunk to a prior of at most prior_weight rounds."""
+        evidence = self.n_accepted + self.n_rejected
+        if evidence > prior_weight:
+            shrink = prior_weight / evidence
+            self.n_accepted *= shrink
+            self.n_rejected *= shrink
+
+    def update(self, n_drafted: int, n_accepted: int) -> None:
+        self.n_accepted = self.decay * self.n_accepted + n_accepted
+        self.n_rejected = self.decay * self.n_rejected + (1.0 if n_accepted < n_drafted else 0.0)
+
+
+class ProbeSchedule:
+    """When a drafter that is switched off drafts once more: after probe_first plain steps, then
+    twice as many after each probe that does not turn it back on, up to probe_every, until
+    max_failed_probes in a row were rejected."""
+
+    def __init__(self, config: GammaConfig):
+        self.config = config
+        self.start()
+
+    def start(self) -> None:
+        self.plain_steps = 0
+        self.gap = self.config.probe_first
+        self.failed = 0
+        self.probing = False
+
+    def speculating(self) -> None:
+        """Speculation pays again: the next switch-off probes soon."""
+        self.plain_steps = 0
+        self.gap = self.config.probe_first
+        self.failed = 0
+
+    def sit_out(self) -> bool:
+        """Count a plain step; True when a probe is due."""
+        self.plain_steps += 1
+        return self.plain_steps >= self.gap and self.failed < self.config.max_failed_probes
+
+    def probe(self) -> None:
+        self.plain_steps = 0
+        self.gap = min(2 * self.gap, self.config.probe_every)
+        self.probing = True
+
+    def outcome(self, n_drafted: int, n_accepted: int) -> None:
+        if self.probing:
+            # A probe fails when the target rejects a drafted token; one accepted in full is
+            # evidence for the drafter even while the prior still keeps the predicted gain low.
+            self.failed = 0 if n_accepted == n_drafted else self.failed + 1
+            self.probing = False
+
+
+class LossLedger:
+    """What a drafter's rounds lost against plain decoding in this sequence, by the clock.
+    Predictions rest on α and costs estimated from few rounds; the ledger on what the rounds
+    really took (draft replay included). Wins earn room for later rounds."""
+
+    def __init__(self, max_loss: float, costs: CostModel):
+        self.max_loss = max_loss
+        self.costs = costs
+        self.start()
+
+    def start(self, horizon_tokens: int = 256) -> None:
+        self.horizon_tokens = horizon_tokens
+        self.loss_seconds = 0.0
+
+    def record(self, seconds: float, n_tokens: int) -> None:
+        """A round took `seconds` and committed n_tokens, which plain decoding takes n_tokens
+        1-token passes for."""
+        self.loss_seconds += seconds - n_tokens * self.costs.target_cost(1)
+
+    def over_budget(self, at_risk: float = 0.0) -> bool:
+        """Lost, or would lose with at_risk more seconds (a probe's expected loss), more than
+        max_loss of the sequence's plain time."""
+        return self.loss_seconds + at_risk > self.max_loss * self.horizon_tokens * self.costs.target_cost(1)
+
+
+class PartPolicy:
+    """γ for one drafter (one part of a mixed drafter): the argmax of the expected speedup over
+    γ, read from its α estimate, its probe schedule and its loss ledger."""
+
+    def __init__(self, config: GammaConfig, costs: CostModel, prior_alpha: float = 0.6):
+        self.config = config
+        self.costs = costs
+        self.estimate = AlphaEstimate(prior_alpha, config.decay)
+        self.probes = ProbeSchedule(config)
+        self.ledger = LossLedger(config.max_loss, costs)
+        self.start()
+
+    @property
+    def alpha(self) -> float:
+        return self.estimate.value
+
+    def start(self, horizon_tokens: int = 256) -> None:
+        """A new sequence of up to horizon_tokens: probe soon again (α carries over as a prior,
+        decayed by its rounds), and open a new loss ledger."""
+        self.probes.start()
+        self.ledger.start(horizon_tokens)
+        self.estimate.carry_over(self.config.prior_weight)
+
+    def round_cost(self, gamma: int, draft_step_cost: float, replay_seconds: float = 0.0) -> float:
+        return replay_seconds + gamma * draft_step_cost + self.costs.target_cost(gamma + 1)
+
+    def expected_speedup(self, gamma: int, draft_step_cost: float, replay_seconds: float = 0.0) -> float:
+        if gamma == 0:
+            return 1.0
+        tokens = expected_tokens_per_pass(self.alpha, gamma)
+        return tokens * self.costs.target_cost(1) / self.round_cost(gamma, draft_step_cost, replay_seconds)
+
+    def choose(self, draft_step_cost: float, replay_seconds: float = 0.0) -> int:
+        """γ for the next round (0: a plain target step), given the seconds of one draft step
+        (0 for copying drafters) and of replaying what the drafter missed before it can draft
+        (a draft model after plain or copy rounds): this round pays for it."""
+        if self.config.fixed is not None:
+            return self.config.fixed
+        if self.ledger.over_budget():
+            return 0
+        gains = [self.expected_speedup(g, draft_step_cost, replay_seconds) for g in range(self.config.max_gamma + 1)]
+        best = int(np.argmax(gains))
+        if gains[best] >= self.config.min_gain:
+            self.probes.speculating()
+            return best
+        probe = 1 + int(np.argmax(gains[1:]))
+        # A probe is expected to lose (that is why speculation is off): run it only if the
+        # ledger can afford that loss, replay included.
+        expected_loss = self.round_cost(probe, draft_step_cost, replay_seconds) * (1.0 - gains[probe])
+        if self.probes.sit_out() and not self.ledger.over_budget(expected_loss):
+            # Conditions change (a code block starts, say): draft once to refresh α.
+            self.probes.probe()
+            return probe
+        return 0
+
+    def update(self, n_drafted: int, n_accepted: int) -> None:
+        """The outcome of a round this drafter drafted (nothing drafted: no information)."""
+        if n_drafted == 0:
+            return
+        self.probes.outcome(n_drafted, n_accepted)
+        self.estimate.update(n_drafted, n_accepted)
+
+
+class RoundPolicy:
+    """One per engine: the cost model, and a PartPolicy per (drafter, part, γ config) for the
+    engine's life, so α learned on earlier sequences is the prior for the next while the probe
+    schedule and the ledger restart with each sequence. Keyed by the drafter chosen too: auto's
+    model part drafts only where lookup finds no match, harder text than the model alone sees,
+    so their α must not mix."""
+
+    def __init__(self, costs: CostModel | None = None, prior_alpha: float = 0.6):
+        self.costs = costs if costs is not None else CostModel()
+        self.prior_alpha = prior_alpha  # what a drafter's α starts from before its first round
+        self._learned: dict[tuple, PartPolicy] = {}
+        self.drafter: Drafter | None = None
+        self.parts: dict[str, PartPolicy] = {}  # this sequence's, by part name
+        self._priced: set[str] = set()  # this sequence's parts whose draft steps the cost model times
+
+    def start(self, drafter: Drafter | None, horizon_tokens: int = 256, config: GammaConfig = GammaConfig()) -> "RoundPolicy":
+        """A new sequence of up to horizon_tokens, drafted by `drafter` (None: plain decoding)."""
+        self.drafter = drafter
+        self.parts = {}
+        self._priced = {part.name for part in parts(drafter) if isinstance(part, CostsPasses)}
+        for part in parts(drafter):
+            key = (drafter.name, part.name, config)
+            if key not in self._learned:
+                self._learned[key] = PartPolicy(config, self.costs, self.prior_alpha)
+            self.parts[part.name] = self._learned[key]
+            self.parts[part.name].start(horizon_tokens)
+        return self
+
+    def choose(self, tokens) -> tuple[Drafter | None, int]:
+        """The drafter for the round after `tokens` (a mixed drafter's part) and its γ (0: plain)."""
+        if self.drafter is None:
+            return None, 0
+        part = self.drafter.select(tokens) if isinstance(self.drafter, Selects) else self.drafter
+        step_cost = self.costs.draft_step.get(part.name, 0.0) if isinstance(part, CostsPasses) else 0.0
+        replay = self.costs.replay_cost(part.name, part.replay_tokens(tokens)) if isinstance(part, CatchesUp) else 0.0
+        return part, self.parts[part.name].choose(step_cost, replay)
+
+    def observe(self, done: Round) -> None:
+        """Learn from a finished round: the verify pass's cost, and for a drafted round its
+        drafter's α, probe outcome, ledger entry and draft and replay costs."""
+        self.costs.record_target(done.n_drafted + 1, done.target_s)
+        if not done.n_drafted:
+            return
+        part = self.parts[done.drafter]
+        part.update(done.n_drafted, done.n_accepted)
+        part.ledger.record(done.round_s, done.n_committed)
+        if done.drafter in self._priced:
+            self.costs.record_draft(done.drafter, done.n_drafted, done.draft_s - done.catch_up_s)
+            self.costs.record_replay(done.drafter, done.catch_up_tokens, done.catch_up_s)
