@@ -77,3 +77,15 @@ def test_settings_are_checked():
         SuffixIndex(max_tokens=0)
     with pytest.raises(ValueError, match="min_support"):
         SuffixIndex(min_support=0.0)
+
+
+def test_a_sequence_enters_the_index_when_the_next_starts_and_forget_drops_all():
+    drafter = SuffixDrafter(SuffixIndex())
+    drafter.reset(np.array([1, 2]))
+    drafter.accepted(np.array([1, 2, 30, 31, 32, 33]), 0)
+    assert len(drafter.index) == 0
+    drafter.reset(np.array([7, 30, 31]))
+    assert len(drafter.index) == 1
+    assert drafter.find(np.array([7, 30, 31]), 4).tolist() == [32, 33]
+    drafter.forget()
+    assert len(drafter.index) == 0 and len(drafter.find(np.array([7, 30, 31]), 4)) == 0

@@ -4,7 +4,7 @@ Every drafter proposes, learns the outcome, and resets for a new sequence. What 
 need is a capability the policy and the loop check by type: `CostsPasses` (drafting runs model
 passes, which the cost model prices), `CatchesUp` (a draft model with its own cache replays
 what it missed before it drafts), `Selects` (a mixed drafter picks one of its parts per round),
-and the proposals `TrunkProposal` (layer skip) and `CatchUpProposal` (a draft model) carry.
+`Remembers` (it keeps what earlier sequences said, to copy from: the suffix cache), and the proposals `TrunkProposal` (layer skip) and `CatchUpProposal` (a draft model) carry.
 """
 
 from __future__ import annotations
@@ -90,6 +90,15 @@ class Selects(Drafter):
     @abstractmethod
     def select(self, tokens: np.ndarray) -> Drafter:
         """The part that proposes after `tokens`."""
+
+
+class Remembers(Drafter):
+    """A drafter that keeps earlier sequences to copy from; `forget` drops them (a benchmark
+    does, so that no run copies what another generated for the same prompt)."""
+
+    @abstractmethod
+    def forget(self) -> None:
+        """Keep nothing from earlier sequences."""
 
 
 def parts(drafter: Drafter | None) -> list[Drafter]:

@@ -7,11 +7,10 @@ from runtime.drafters.prompt_lookup import PromptLookupDrafter
 
 
 class MixedDrafter(Selects):
-    name = "auto"
-
-    def __init__(self, lookup: PromptLookupDrafter, model: Drafter | None):
+    def __init__(self, lookup: PromptLookupDrafter, model: Drafter | None, name: str = "auto"):
         self.lookup = lookup
         self.model = model
+        self.name = name
 
     def select(self, tokens):
         # A suffix match costs nothing to find and drafts for free; the model is the fallback.

@@ -13,6 +13,7 @@ from collections import Counter, OrderedDict
 
 import numpy as np
 
+from runtime.drafters.base import Remembers
 from runtime.drafters.prompt_lookup import PromptLookupDrafter
 
 
@@ -127,14 +128,29 @@ class SuffixIndex:
         return n
 
 
-class SuffixDrafter(PromptLookupDrafter):
-    """Prompt lookup over this sequence and the engine's suffix index of earlier requests."""
+class SuffixDrafter(PromptLookupDrafter, Remembers):
+    """Prompt lookup over this sequence and a suffix index of the sequences before it: each
+    sequence goes into the index when the next one starts."""
 
     name = "suffix"
 
     def __init__(self, index: SuffixIndex):
         super().__init__(min_ngram=index.key_len)
         self.index = index
+        self._seen: np.ndarray | None = None  # the committed tokens of the sequence under way
+
+    def accepted(self, tokens, n_accepted):
+        self._seen = tokens
+
+    def reset(self, tokens=()):
+        if self._seen is not None:
+            self.index.add(self._seen)
+            self._seen = None
+
+    def forget(self):
+        self._seen = None
+        self.index = SuffixIndex(self.index.max_tokens, self.index.key_len, self.index.max_hits, self.index.max_match,
+                                 self.index.min_support, self.index.tokens_per_match)
 
     def find(self, tokens, gamma):
         tokens = np.asarray(tokens, dtype=np.int64)
