@@ -17,8 +17,9 @@ import pytest
 import tests.test_loop_sampling as loop_sampling
 import tiny
 from edge_spec import manifest as mf
-from edge_spec.budget import ModelFacts, plan_bundle, plan_export
+from edge_spec.budget import ModelFacts, _stage_weights, plan_bundle, plan_export
 from edge_spec.sampling import SamplingConfig, process_logits, sample
+from runtime import audit
 from runtime.drafters.draft_model import DraftModelDrafter
 from runtime.engine import Engine, EngineConfig, GenerateConfig
 from runtime.model import full_vocab_logits
@@ -156,11 +157,11 @@ def trimmed_draft(monkeypatch):
 
 @pytest.mark.parametrize("config,gamma", [("T1", 3), ("T0.9-topp0.8", 1), ("T0.7-topk20", 3)])
 def test_trimmed_draft_samples_follow_the_target_law(trimmed_draft, config, gamma):
-    samples, _, _ = loop_sampling.loop_samples("model", loop_sampling.CONFIGS[config], gamma)
-    # Dropped tokens were emitted (by the residual) as often as the target wants them.
-    first = samples[:, 0]
-    assert not np.isin(first, TOY_KEPT).all()
-    report = loop_sampling.run_audit("model", loop_sampling.CONFIGS[config], gamma)
+    sampling = loop_sampling.CONFIGS[config]
+    samples, run, lm = loop_sampling.loop_samples("model", sampling, gamma)
+    assert not np.isin(samples[:, 0], TOY_KEPT).all()  # the residual emitted tokens the draft cannot name
+    audit_config = audit.AuditConfig(loop_sampling.SAMPLES, loop_sampling.POSITIONS, loop_sampling.ALPHA, seed=1)
+    report = audit.audit_exact(samples, run, loop_sampling.exact_law(lm, samples, sampling), audit_config, "model", str(gamma))
     assert report.exercised, report.lines()
     assert report.passed, report.lines()
 
@@ -201,21 +202,36 @@ def weightless(tmp_path_factory, tiny_models) -> tuple[Path, Path]:
 
 @pytest.mark.parametrize("extra,message", [
     (["--draft-vocab", "0"], "--draft-vocab 0: give a positive number of tokens (suggested 32768)"),
-    (["--draft-vocab", "-5"], "--draft-vocab -5: give a positive number"),
     (["--draft-vocab", "100000"], "--draft-vocab 100000 is more than the"),
-    (["--draft-vocab", "3"], "smaller than the 6 special and EOS tokens"),
-    (["--draft-vocab", "64", "--draft-vocab-from", "/no/such/text"], "no such file or folder"),
-    (["--draft-vocab", "64", "--draft-vocab-from", ","], "names no source"),
     (["--draft-vocab", "64", "--draft", "layer-skip:1"], "trims a draft model's LM head: add --draft MODEL"),
-    (["--draft-vocab", "64", "--draft", "none"], "trims a draft model's LM head"),
 ])
-def test_bad_draft_vocab_is_refused_before_weights_load(weightless, tmp_path, extra, message):
+def test_bad_draft_vocab_exits_2_before_weights_load(weightless, tmp_path, extra, message):
     target, draft = weightless
     drafts = [] if "--draft" in extra else ["--draft", str(draft)]
     result = _export_cli(str(target), "--out", str(tmp_path / "b"), "--quant", "fp32", *drafts, *extra)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
-    assert message in lines[-1] and lines[-1].startswith("error:") and "Traceback" not in result.stderr, result.stderr
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.stderr
+    assert not (tmp_path / "b").exists() and not (tmp_path / "b.partial").exists()
+
+
+@pytest.mark.parametrize("vocab,drafts,sources,message", [
+    (-5, "model", ("docs",), "--draft-vocab -5: give a positive number"),
+    (True, "model", ("docs",), "--draft-vocab True: give a positive number"),
+    (64, "none", ("docs",), "trims a draft model's LM head"),
+    (3, "model", ("docs",), "smaller than the 6 special and EOS tokens"),
+    (64, "model", ("/no/such/text",), "no such file or folder"),
+    (64, "model", (), "names no source"),
+])
+def test_bad_draft_vocab_is_refused_before_weights_load(weightless, tmp_path, vocab, drafts, sources, message):
+    from export.bundle import ExportConfig, ExportError, export_bundle
+
+    target, draft = weightless
+    with pytest.raises(ExportError) as caught:
+        config = ExportConfig(str(target), tmp_path / "b", "fp32", 64, (str(draft),) if drafts == "model" else (),
+                              draft_vocab=vocab, draft_vocab_from=sources)
+        export_bundle(config, log=lambda message: None)
+    assert message in str(caught.value)
     assert not (tmp_path / "b").exists() and not (tmp_path / "b.partial").exists()
 
 
@@ -251,7 +267,7 @@ def _rehash(data, folder: Path, name: str) -> None:
     (lambda d, f: (np.save(f / "draft.head_tokens.npy", np.load(f / "draft.head_tokens.npy")[::-1].copy()), _rehash(d, f, "draft.head_tokens.npy")), "distinct, ascending"),
     (lambda d, f: (np.save(f / "draft.head_tokens.npy", np.setdiff1d(np.load(f / "draft.head_tokens.npy"), d["tokenizer"]["eos_token_ids"])),
                    d["models"]["draft"]["trimmed_head"].update(rows=KEPT - 1), _rehash(d, f, "draft.head_tokens.npy")), "drops EOS token(s)"),
-    (lambda d, f: (f / "draft.head_tokens.npy").write_bytes(b"\0" * 4) or _rehash(d, f, "draft.head_tokens.npy"), "not a readable .npy"),
+    (lambda d, f: ((f / "draft.head_tokens.npy").write_bytes(b"\0" * 4), _rehash(d, f, "draft.head_tokens.npy")), "not a readable .npy"),
     (lambda d, f: (f / "draft.head_tokens.npy").unlink(), "bundle file missing"),
 ])
 def test_bad_trimmed_head_is_refused(pair, tmp_path, edit, message):
@@ -268,6 +284,10 @@ def test_memory_plan_counts_the_smaller_head(pair):
     stored = plans["full"].stored_bytes - plans["trimmed"].stored_bytes
     assert abs(stored - saved) < 0.01 * saved
     assert plans["trimmed"].part("weights target") == plans["full"].part("weights target")
+    # The files' bytes split into layers and a head of KEPT rows (what packing and loading cost differs by).
+    draft = manifest["trimmed"].models["draft"]
+    weights = _stage_weights(manifest["trimmed"], pair["trimmed"], "draft", draft.quant, draft.arch, draft.logit_rows)
+    assert weights.head == KEPT * arch.hidden_size * 4
     # Planned before export: the draft's head shrinks by the same rows.
     qwen = ModelFacts("qwen2", 24, 896, 14, 2, 64, 4864, 151936, qkv_bias=True)
     whole, trimmed = (plan_export(qwen, "int4", 2048, ("d",), {"d": qwen}, draft_vocab=v) for v in (None, 32768))
