@@ -102,7 +102,7 @@ def test_greedy_speculation_with_a_trimmed_draft_equals_plain(pair, drafter, gam
         want = plain.generate(ids, GenerateConfig(max_new_tokens=24)).token_ids
         got = spec.generate(ids, GenerateConfig(max_new_tokens=24))
         assert got.token_ids == want
-        assert sum(drafted for drafted, _ in got.rounds) > 0
+        assert gamma is None or sum(drafted for drafted, _ in got.rounds) > 0  # adaptive γ may switch a slow draft off
     # Greedy drafting proposes the argmax among the kept rows only.
     runner = spec.drafter.runner if drafter == "model" else spec.drafter.parts()[1].runner
     runner.cache.reset()
