@@ -387,7 +387,7 @@ def drafter_roles(manifest: Manifest, drafter: str) -> tuple[str, ...]:
     return ("target",) if role is None else ("target", role)
 
 
-def _stage_weights(manifest: Manifest, bundle_dir: Path, key: str, quant: str, arch: ArchInfo) -> StoredWeights:
+def _stage_weights(manifest: Manifest, bundle_dir: Path, key: str, quant: str, arch: ArchInfo, head_rows: int | None = None) -> StoredWeights:
     stage = manifest.stages[key]
     if not stage.file:
         raise BundleError(
@@ -397,7 +397,8 @@ def _stage_weights(manifest: Manifest, bundle_dir: Path, key: str, quant: str, a
     size = sum((bundle_dir / name).stat().st_size for name in (stage.file, *stage.data_files))
     matrix = arch.vocab_size * arch.hidden_size
     embed = round(matrix * embed_bytes_per_weight(quant)) if stage.embed else 0
-    head = round(matrix * matmul_bytes_per_weight(quant)) if stage.head else 0
+    # A trimmed draft head (ModelInfo.trimmed_head) stores only its kept rows.
+    head = round((head_rows or arch.vocab_size) * arch.hidden_size * matmul_bytes_per_weight(quant)) if stage.head else 0
     # The rest of the files is the layers (and the graph itself).
     embed = min(embed, size)
     head = min(head, size - embed)
@@ -420,7 +421,7 @@ def plan_bundle(
         seen.update(own)
         weights = None
         for key in own:
-            stage_weights = _stage_weights(manifest, bundle_dir, key, info.quant, info.arch)
+            stage_weights = _stage_weights(manifest, bundle_dir, key, info.quant, info.arch, info.logit_rows)
             weights = stage_weights if weights is None else weights + stage_weights
         layered = [manifest.stages[key] for key in own if manifest.stages[key].layers]
         # Bundles from before the fused kind have no `attention` field: they are portable.
@@ -467,11 +468,12 @@ class ModelFacts:
 
 def plan_export(
     target: ModelFacts, quant: str, max_context: int, drafts: tuple[str, ...], draft_facts: dict[str, ModelFacts],
-    budget: int | None = None, source: str = "", attention: str = "fused", device: str = "cpu",
+    budget: int | None = None, source: str = "", attention: str = "fused", device: str = "cpu", draft_vocab: int | None = None,
 ) -> Plan:
     """The plan of the bundle export would write, run with the runtime's default drafter
     (auto: the draft model if there is one, else the layer-skip draft), before anything is
-    written. drafts: export's specs, model specs (keys of draft_facts) and/or "layer-skip:N"."""
+    written. drafts: export's specs, model specs (keys of draft_facts) and/or "layer-skip:N".
+    draft_vocab: the rows a trimmed draft head keeps (export --draft-vocab)."""
     profile = PROFILES[device]
     float16 = profile.activations == "float16"
     layer_skips = [d for d in drafts if d.startswith(LAYER_SKIP_PREFIX)]
@@ -483,7 +485,7 @@ def plan_export(
     if models:
         draft = models[0]
         roles.append(RolePlan(
-            "draft", draft.arch(max_context, vocab_rows, profile.kv_dtype), draft.weights(quant, vocab_rows), 1, None,
+            "draft", draft.arch(max_context, vocab_rows, profile.kv_dtype), draft.weights(quant, min(draft_vocab or vocab_rows, vocab_rows)), 1, None,
             draft.intermediate_size, attention, float16,
         ))
     elif layer_skips:
@@ -509,7 +511,7 @@ class ExportChoice:
 
 def choose_export(
     target: ModelFacts, quant: str, max_context: int, drafts: tuple[str, ...], draft_facts: dict[str, ModelFacts],
-    budget: int, source: str = "", attention: str = "fused", device: str = "cpu",
+    budget: int, source: str = "", attention: str = "fused", device: str = "cpu", draft_vocab: int | None = None,
 ) -> ExportChoice:
     """The first export that fits the budget, giving up the least-valued thing first: the
     longest context (halved, not below MIN_BUDGET_CONTEXT), then the draft model (a
@@ -526,7 +528,7 @@ def choose_export(
     for q in quants:
         for option in draft_options:
             for context in contexts:
-                plan = plan_export(target, q, context, option, draft_facts, budget, source, attention, device)
+                plan = plan_export(target, q, context, option, draft_facts, budget, source, attention, device, draft_vocab)
                 if plan.fits:
                     changes = []
                     if context != max_context:

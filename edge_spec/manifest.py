@@ -19,6 +19,7 @@ from edge_spec import names
 from edge_spec.profiles import PROFILES
 
 SCHEMA_VERSION = 3  # 2: StageInfo.attention (fused graphs write KV in place); 3: Manifest.device, fused position inputs
+# Not bumped for ModelInfo.trimmed_head: absent means the old full head, and a reader without the field refuses it by name.
 MANIFEST_FILE = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
 QUANTS = ("int4", "int8", "fp16", "fp32")
@@ -72,6 +73,23 @@ class StageInfo:
 
 
 @dataclass(frozen=True)
+class TrimmedHead:
+    """A draft's LM head cut to the rows of its most frequent tokens (FR-Spec / VocabTrim).
+
+    `file` (int32 .npy [rows], ascending) names the token each logit column scores; the runtime
+    puts them back at those ids and -inf elsewhere, so the draft's q is exactly 0 outside them and
+    verification stays exact: a proposal never names a dropped token, the residual covers its mass.
+    """
+
+    file: str  # "<role>.head_tokens.npy" at the top of the bundle
+    rows: int  # kept tokens: the graph's logits width
+    counted_from: str = ""  # the text the frequencies were counted on, in words
+
+
+HEAD_TOKENS_SUFFIX = ".head_tokens.npy"
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """A role (`target`, `draft`, `layer_skip`): the stages it runs in order, and its KV needs.
 
@@ -84,6 +102,12 @@ class ModelInfo:
     quant: str
     stages: tuple[str, ...]
     shares_kv_with: str | None = None
+    trimmed_head: TrimmedHead | None = None  # None: the head scores every one of arch.vocab_size rows
+
+    @property
+    def logit_rows(self) -> int:
+        """The width of the logits its head graph returns."""
+        return self.arch.vocab_size if self.trimmed_head is None else self.trimmed_head.rows
 
 
 # Core ML names: feature names cannot hold "." (coremltools would rename them), so the package's
@@ -215,6 +239,8 @@ def manifest_from_dict(data: dict[str, Any]) -> Manifest:
             arch["layer_windows"] = tuple(arch["layer_windows"])
         raw["arch"] = _build(ArchInfo, arch, f"model {role!r} arch")
         raw["stages"] = tuple(raw.get("stages", ()))
+        if raw.get("trimmed_head") is not None:
+            raw["trimmed_head"] = _build(TrimmedHead, dict(_object(raw["trimmed_head"], f"model {role!r} trimmed_head")), f"model {role!r} trimmed_head")
         models[role] = _build(ModelInfo, raw, f"model {role!r}")
     _object(data.get("files", {}), "files")
     tok = dict(_object(data.get("tokenizer", {}), "tokenizer"))
@@ -271,12 +297,54 @@ def validate(manifest: Manifest, bundle_dir: Path, check_hashes: bool = True) ->
                 if getattr(owner.arch, fact) != getattr(model.arch, fact):
                     raise BundleError(f"model {role!r} and {model.shares_kv_with!r} disagree on {fact.replace('_', ' ')}")
         _validate_stages(manifest, role, model)
+        _validate_trimmed_head(manifest, role, model)
     for role, model in manifest.models.items():
         owner = manifest.models.get(model.shares_kv_with or role)
         if model.stages[0] != owner.stages[0] or model.stages[-1] != owner.stages[-1]:
             raise BundleError(f"model {role!r} must run {model.shares_kv_with!r}'s first and last stages")
     _validate_coreml(manifest)
     _validate_files(manifest, bundle_dir, check_hashes)
+    for role, model in manifest.models.items():
+        if model.trimmed_head is not None:
+            load_head_tokens(bundle_dir, manifest, role)
+
+
+def _validate_trimmed_head(manifest: Manifest, role: str, model: ModelInfo) -> None:
+    trimmed = model.trimmed_head
+    if trimmed is None:
+        return
+    if role == "target" or model.shares_kv_with is not None:
+        # p must cover every token, and a layer-skip draft runs the target's own head stage.
+        raise BundleError(f"model {role!r} has a trimmed LM head: only a draft model with a head of its own may (re-export the bundle)")
+    if not isinstance(trimmed.file, str) or Path(trimmed.file).name != trimmed.file or not trimmed.file.endswith(HEAD_TOKENS_SUFFIX):
+        raise BundleError(f"model {role!r}: trimmed_head file {trimmed.file!r} must be a {HEAD_TOKENS_SUFFIX} file at the top of the bundle")
+    if isinstance(trimmed.rows, bool) or not isinstance(trimmed.rows, int) or not 1 <= trimmed.rows <= manifest.tokenizer.n_real_tokens:
+        raise BundleError(f"model {role!r}: trimmed_head rows must be an integer 1..{manifest.tokenizer.n_real_tokens} (the tokenizer's tokens), got {json.dumps(trimmed.rows)[:40]}")
+    if not isinstance(trimmed.counted_from, str):
+        raise BundleError(f"model {role!r}: trimmed_head counted_from must be a string")
+
+
+def load_head_tokens(bundle_dir: str | Path, manifest: Manifest, role: str):
+    """The token ids a trimmed head scores, int64 [rows], checked: a .npy of distinct ascending
+    real token ids, as many as the manifest says, every EOS id among them."""
+    import numpy as np
+
+    trimmed = manifest.models[role].trimmed_head
+    path = Path(bundle_dir) / trimmed.file
+    where = f"model {role!r} trimmed head {trimmed.file}"
+    try:
+        ids = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise BundleError(f"{where} is not a readable .npy array ({exc}); re-export the bundle") from None
+    if ids.dtype.kind not in "iu" or ids.shape != (trimmed.rows,):
+        raise BundleError(f"{where}: expected {trimmed.rows} integer token ids, found {ids.dtype} {list(ids.shape)}; re-export the bundle")
+    ids = ids.astype(np.int64)
+    if ids.size and (ids[0] < 0 or ids[-1] >= manifest.tokenizer.n_real_tokens or np.any(np.diff(ids) <= 0)):
+        raise BundleError(f"{where}: token ids must be distinct, ascending and in [0, {manifest.tokenizer.n_real_tokens}); re-export the bundle")
+    missing = sorted(set(manifest.tokenizer.eos_token_ids) - set(ids.tolist()))
+    if missing:
+        raise BundleError(f"{where} drops EOS token(s) {missing}: the draft could never propose the end; re-export the bundle")
+    return ids
 
 
 def _validate_stages(manifest: Manifest, role: str, model: ModelInfo) -> None:
@@ -345,6 +413,7 @@ def _validate_files(manifest: Manifest, bundle_dir: Path, check_hashes: bool) ->
         if stage.file:
             referenced.add(stage.file)
         referenced.update(stage.data_files)
+    referenced.update(m.trimmed_head.file for m in manifest.models.values() if m.trimmed_head is not None)
     for package in manifest.coreml.values():
         listed = {rel for rel in manifest.files if rel.startswith(package.file + "/")}
         if not listed:
@@ -418,11 +487,12 @@ def check_fact_types(manifest: Manifest) -> None:
 _KV_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16"}  # ONNX Runtime's names of KV element types
 
 
-def check_declared_io(arch: ArchInfo, key: str, stage: StageInfo, declared) -> None:
+def check_declared_io(arch: ArchInfo, key: str, stage: StageInfo, declared, logit_rows: int | None = None) -> None:
     """The manifest's facts against the inputs and outputs a stage's graph declares, as
     (name, type, shape) with ONNX Runtime's type names ("tensor(float)") and None or a string
     for a symbolic dimension: KV heads, rows (max context, fused attention), head size and
-    dtype, hidden size, LM-head rows. Only static dimensions are compared."""
+    dtype, hidden size, LM-head rows (logit_rows: a trimmed head's, else arch.vocab_size).
+    Only static dimensions are compared."""
 
     def differs(where: str, fact: str, manifest_value, graph_value) -> None:
         static = isinstance(graph_value, int) and not isinstance(graph_value, bool)
@@ -439,6 +509,6 @@ def check_declared_io(arch: ArchInfo, key: str, stage: StageInfo, declared) -> N
             differs(name, "head_dim", arch.head_dim, shape[3])
             differs(name, "kv_dtype", arch.kv_dtype, _KV_TYPES.get(type_name, type_name))
         elif name == "logits" and shape:
-            differs("logits", "vocab_size", arch.vocab_size, shape[-1])
+            differs("logits", "vocab_size" if logit_rows is None else "trimmed_head rows", arch.vocab_size if logit_rows is None else logit_rows, shape[-1])
         elif name in ("hidden_in", "hidden_out") and shape:
             differs(name, "hidden_size", arch.hidden_size, shape[-1])

@@ -45,6 +45,16 @@ def main(argv: list[str] | None = None) -> int:
         "(default: the catalog's draft for MODEL)",
     )
     parser.add_argument(
+        "--draft-vocab", type=int, metavar="N",
+        help="keep only the draft model's LM-head rows for the N most frequent tokens (and every special and EOS "
+        "token): a cheaper draft step, still exact (suggested 32768; default: every row)",
+    )
+    parser.add_argument(
+        "--draft-vocab-from", default="stdlib,docs", metavar="SOURCES",
+        help="text the --draft-vocab frequencies are counted on, comma-separated: stdlib (this Python's standard "
+        "library sources), docs (this project's Markdown), or file/folder paths (default: stdlib,docs)",
+    )
+    parser.add_argument(
         "--device",
         default="cpu",
         choices=DEVICES,
@@ -74,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from export.archs import UnsupportedArchitecture
-    from export.bundle import FORMATS, ExportConfig, ExportError, default_drafts, export_bundle, peak_rss_bytes
+    from export.bundle import FORMATS, LAYER_SKIP_PREFIX, ExportConfig, ExportError, default_drafts, export_bundle, peak_rss_bytes
     from export.sources import SourceError
 
     drafts = tuple(args.draft) if args.draft else default_drafts(args.model)
@@ -88,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     if not formats or set(formats) - set(FORMATS):
         parser.error(f"--format {args.format!r}: choose one or more of {', '.join(FORMATS)}, comma-separated")
     try:
-        config = ExportConfig(args.model, out, args.quant, args.max_context, drafts, args.force, formats=formats, attention=args.attention, device=args.device)
+        sources = tuple(x.strip() for x in args.draft_vocab_from.split(",") if x.strip())
+        config = ExportConfig(args.model, out, args.quant, args.max_context, drafts, args.force, formats=formats, attention=args.attention, device=args.device,
+                              draft_vocab=args.draft_vocab, draft_vocab_from=sources)
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -104,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(choice.summary(), file=sys.stderr)
         out = args.out or _default_out(args.model, choice.quant, args.device)
-        config = dataclasses.replace(config, out=out, quant=choice.quant, max_context=choice.max_context, drafts=choice.drafts)
+        keeps_model = any(not d.startswith(LAYER_SKIP_PREFIX) for d in choice.drafts)
+        config = dataclasses.replace(config, out=out, quant=choice.quant, max_context=choice.max_context, drafts=choice.drafts,
+                                     draft_vocab=config.draft_vocab if keeps_model else None)
     began = time.perf_counter()
     try:
         manifest = export_bundle(config)
@@ -115,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     peak = peak_rss_bytes()
     sizes = {f: (out / f).stat().st_size for f in manifest.files}
     if args.json:
-        roles = {role: {"layers": m.arch.n_layers, "stages": list(m.stages), "source": m.source} for role, m in manifest.models.items()}
+        roles = {role: {"layers": m.arch.n_layers, "stages": list(m.stages), "source": m.source, "logit_rows": m.logit_rows} for role, m in manifest.models.items()}
         summary = {
             "bundle": str(out), "device": config.device, "quant": config.quant, "attention": config.attention,
             "max_context": config.max_context, "roles": roles, "bytes": sizes, "seconds": seconds,
@@ -125,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             summary["memory"] = {"changes": list(choice.changes), "plan": choice.plan.to_dict()}
         print(json.dumps(summary))
         return 0
-    roles = ", ".join(f"{role} ({m.arch.n_layers} layers)" for role, m in manifest.models.items())
+    roles = ", ".join(f"{role} ({m.arch.n_layers} layers{f', head of {m.logit_rows} tokens' if m.trimmed_head else ''})" for role, m in manifest.models.items())
     print(f"{out}: {roles}; --device {config.device}; {config.quant}; {sum(sizes.values()) / 2**20:.0f} MiB; max context {config.max_context}; {seconds:.0f} s; peak memory {peak / 2**30:.1f} GiB")
     return 0
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 from edge_spec import manifest as mf
 from edge_spec import names
 from edge_spec.budget import ExportChoice, ModelFacts, choose_export, predict_weights
@@ -22,6 +24,7 @@ from export.archs import arch_for, check_context
 from export.onnx_graphs import finish_stage, trace_stage
 from export.quantize import quantize_file, save
 from export.sources import Checkpoint, load_checkpoint, load_config, load_tokenizer
+from export.vocab_trim import DEFAULT_SOURCES, SUGGESTED_DRAFT_VOCAB
 
 LAYER_SKIP_PREFIX = "layer-skip:"
 FORMATS = ("onnx", "coreml")  # ONNX stage graphs; Core ML packages for the Apple Neural Engine
@@ -42,8 +45,15 @@ class ExportConfig:
     formats: tuple[str, ...] = ("onnx",)  # FORMATS to write, one or both
     attention: str | None = None  # edge_spec.names.ATTENTION_KINDS; None: the device profile's default
     device: str = "cpu"  # edge_spec.profiles.DEVICES: the provider the graphs are built for
+    draft_vocab: int | None = None  # the draft model's LM head keeps this many rows (export.vocab_trim); None: all
+    draft_vocab_from: tuple[str, ...] = DEFAULT_SOURCES  # the text its token frequencies are counted on
 
     def __post_init__(self):
+        if self.draft_vocab is not None:
+            if isinstance(self.draft_vocab, bool) or not isinstance(self.draft_vocab, int) or self.draft_vocab <= 0:
+                raise ExportError(f"--draft-vocab {self.draft_vocab!r}: give a positive number of tokens (suggested {SUGGESTED_DRAFT_VOCAB})")
+            if all(d.startswith(LAYER_SKIP_PREFIX) for d in self.drafts):
+                raise ExportError("--draft-vocab trims a draft model's LM head: add --draft MODEL (a layer-skip draft runs the target's head, which scores every token)")
         if self.device not in PROFILES:
             raise ExportError(f"unknown --device {self.device!r}; choose one of {', '.join(PROFILES)}")
         if self.attention is None:
@@ -91,7 +101,7 @@ def choose_for_budget(config: ExportConfig, budget: int) -> ExportChoice:
     if "onnx" not in config.formats:
         raise ExportError("--memory-budget plans ONNX Runtime's memory: add onnx to --format")
     facts = {spec: model_facts(spec) for spec in (config.model, *config.drafts) if not spec.startswith(LAYER_SKIP_PREFIX)}
-    return choose_export(facts[config.model], config.quant, config.max_context, config.drafts, facts, budget, str(config.out), config.attention, config.device)
+    return choose_export(facts[config.model], config.quant, config.max_context, config.drafts, facts, budget, str(config.out), config.attention, config.device, config.draft_vocab)
 
 
 def peak_rss_bytes() -> int:
@@ -144,7 +154,7 @@ def _arch_info(model, max_context: int, vocab_rows: int, kv_dtype: str = "float3
 
 def _trace_stage(
     checkpoint: Checkpoint, key: str, layers: range, embed: bool, head: bool, config: ExportConfig, tmp: Path, scratch: Path, vocab_rows: int,
-    progress: Progress, packages: dict[str, mf.CoreMLPackageInfo],
+    progress: Progress, packages: dict[str, mf.CoreMLPackageInfo], head_tokens=None,
 ) -> tuple[mf.StageInfo, Path | None]:
     """Trace one stage to an fp32 graph in `scratch` (weights as external data); returns its
     manifest entry and the traced file, which _quantize_stage turns into the bundle's file once
@@ -153,7 +163,7 @@ def _trace_stage(
 
     model = checkpoint.model
     float16 = config.profile.activations == "float16"
-    stage = StageModule(model, layers.start, layers.stop, embed, head, vocab_rows, config.attention, config.max_context, fused_norm=float16)
+    stage = StageModule(model, layers.start, layers.stop, embed, head, vocab_rows, config.attention, config.max_context, fused_norm=float16, head_tokens=head_tokens)
     span = f"layers {layers.start}..{layers.stop - 1}" if layers else "no layers"
     if "coreml" in config.formats:
         from export.coreml import write_package
@@ -246,6 +256,28 @@ def _tokenizer_info(checkpoint: Checkpoint, tmp: Path) -> mf.TokenizerInfo:
     )
 
 
+@dataclass(frozen=True)
+class HeadTokens:
+    rows: np.ndarray  # int32 [N] ascending: the token ids the trimmed draft head keeps
+    description: str  # the manifest's counted_from
+
+
+def _draft_head_tokens(config: ExportConfig, tokenizer, info: mf.TokenizerInfo, text, progress: Progress) -> HeadTokens:
+    """The draft head's kept rows: the shared tokenizer's most frequent tokens in `text`
+    (export.vocab_trim.Corpus) and every added token, EOS and BOS the manifest names."""
+    from export.vocab_trim import TrimError, always_kept, choose_rows, count_tokens, kept_mass
+
+    progress(f"counting token frequencies for the draft head in {len(text.files)} files: {text.description}")
+    counts, read = count_tokens(tokenizer.backend_tokenizer, text.files, info.n_real_tokens)
+    try:
+        rows = choose_rows(counts, config.draft_vocab, always_kept(tokenizer, info.eos_token_ids, info.bos_token_id))
+    except TrimError as exc:
+        raise ExportError(str(exc)) from None
+    mass = f"{100 * kept_mass(counts, rows):.2f}%"
+    progress(f"draft head keeps {len(rows)} of {info.n_real_tokens} tokens, {mass} of the {int(counts.sum())} counted")
+    return HeadTokens(rows, f"{text.description}; {int(counts.sum())} tokens counted in {read} text files, {mass} of them kept")
+
+
 def _log_stderr(message: str) -> None:
     print(message, file=sys.stderr)
 
@@ -335,7 +367,24 @@ def _export_into(config: ExportConfig, tmp: Path, layer_skips, model_drafts, pro
             if min(target_rows, draft_rows) < len(target_tokenizer):
                 raise ExportError("the draft's LM head is smaller than the shared tokenizer")
             vocab_rows = len(target_tokenizer)
+        if config.draft_vocab is not None:
+            from export.vocab_trim import always_kept
+
+            if config.draft_vocab > len(target_tokenizer):
+                raise ExportError(f"--draft-vocab {config.draft_vocab} is more than the {len(target_tokenizer)} tokens of the tokenizer")
+            eos = [t for t in (target_tokenizer.eos_token_id,) if t is not None]
+            forced = always_kept(target_tokenizer, eos, target_tokenizer.bos_token_id)
+            if len(forced) > config.draft_vocab:
+                raise ExportError(f"--draft-vocab {config.draft_vocab} is smaller than the {len(forced)} special and EOS tokens a trimmed head always keeps")
         del target_tokenizer
+    text = None
+    if config.draft_vocab is not None:
+        from export.vocab_trim import TrimError, corpus
+
+        try:
+            text = corpus(tuple(config.draft_vocab_from))
+        except TrimError as exc:
+            raise ExportError(str(exc)) from None
 
     # Each role costs about its fp32 size three times over: load, trace, quantize.
     costs = {"target": _fp32_bytes(target_config), "draft": _fp32_bytes(draft_config) if draft_config is not None else 0}
@@ -348,6 +397,7 @@ def _export_into(config: ExportConfig, tmp: Path, layer_skips, model_drafts, pro
     if target.model.lm_head.weight.shape[0] != target_rows:
         raise ExportError(f"{config.model!r}: LM head has {target.model.lm_head.weight.shape[0]} rows, its config says {target_rows}")
     tokenizer = _tokenizer_info(target, tmp)
+    head_tokens = _draft_head_tokens(config, target.tokenizer, tokenizer, text, progress) if text is not None else None
 
     stages: dict[str, mf.StageInfo] = {}
     models: dict[str, mf.ModelInfo] = {}
@@ -386,14 +436,18 @@ def _export_into(config: ExportConfig, tmp: Path, layer_skips, model_drafts, pro
                 raise ExportError(f"draft {model_drafts[0]!r}: LM head has {draft.model.lm_head.weight.shape[0]} rows, its config says {draft_config.vocab_size}")
             draft_layers = draft.model.config.num_hidden_layers
             draft_arch = _arch_info(draft.model, config.max_context, vocab_rows, kv_dtype)
-            info, path = _trace_stage(draft, "draft", range(draft_layers), True, True, config, tmp, Path(scratch), vocab_rows, progress, packages)
+            info, path = _trace_stage(draft, "draft", range(draft_layers), True, True, config, tmp, Path(scratch), vocab_rows, progress, packages, None if head_tokens is None else head_tokens.rows)
             source = draft.source.description
             del draft
             gc.collect()
             progress.advance(costs["draft"])
             stages["draft"] = _quantize_stage("draft", info, path, config, tmp, progress)
             progress.advance(costs["draft"])
-            models["draft"] = mf.ModelInfo(source, draft_arch, config.quant, ("draft",))
+            trimmed = None
+            if head_tokens is not None:
+                trimmed = mf.TrimmedHead("draft" + mf.HEAD_TOKENS_SUFFIX, len(head_tokens.rows), head_tokens.description)
+                np.save(tmp / trimmed.file, head_tokens.rows)
+            models["draft"] = mf.ModelInfo(source, draft_arch, config.quant, ("draft",), trimmed_head=trimmed)
 
     progress("hashing files")
     files = {p.name: mf.sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}

@@ -102,9 +102,11 @@ class StageModule(nn.Module):
     (position_ids [T], attention_bias [T, MAX+T]) (masked); past is
     past_key.i, past_value.i for each layer i, each [1, kv_heads, max_context, head_dim].
     fused_norm: RMS norms as one SimplifiedLayerNormalization node (float16 profiles).
+    head_tokens: the LM-head rows to keep, in order (a trimmed draft head); None: the first vocab_rows.
     """
 
-    def __init__(self, hf_model, layer_start: int, layer_end: int, embed: bool, head: bool, vocab_rows: int, attention: str = "fused", max_context: int = 2048, fused_norm: bool = False):
+    def __init__(self, hf_model, layer_start: int, layer_end: int, embed: bool, head: bool, vocab_rows: int, attention: str = "fused", max_context: int = 2048, fused_norm: bool = False,
+                 head_tokens=None):
         super().__init__()
         from export.archs import arch_for
 
@@ -146,7 +148,9 @@ class StageModule(nn.Module):
             self.norm = inner.norm
             # A separate, pre-transposed copy so the graph has MatMul(h, W) with W an initializer
             # of its own (quantizable), even when the checkpoint ties it to the embedding.
-            weight = hf_model.lm_head.weight.detach()[:vocab_rows]  # [vocab, hidden]
+            weight = hf_model.lm_head.weight.detach()
+            # Gathered, not sliced, for a trimmed head; a tied embedding keeps every row for the input side.
+            weight = weight[:vocab_rows] if head_tokens is None else weight[torch.as_tensor(head_tokens, dtype=torch.int64)]  # [vocab | kept, hidden]
             self.lm_head_t = nn.Parameter(weight.t().contiguous().clone(), requires_grad=False)  # [hidden, vocab]
 
     def rope_table(self, index: int, name: str) -> torch.Tensor:

@@ -18,7 +18,7 @@ import numpy as np
 
 from edge_spec.budget import plan_bundle
 from edge_spec.commit import commit
-from edge_spec.manifest import BundleError, check_declared_io
+from edge_spec.manifest import BundleError, check_declared_io, load_head_tokens
 from edge_spec.placement import check_bundle
 from edge_spec.profiles import load_verdict
 from edge_spec.sampling import SamplingConfig
@@ -214,7 +214,8 @@ class Engine:
                 session, reason = open_session(self.bundle.file(stage.file), choice.provider, self._session_config(choice))
                 if hasattr(session, "get_inputs"):  # the manifest's facts against what the graph declares
                     owner_arch = manifest.models[info.shares_kv_with or role].arch
-                    check_declared_io(owner_arch, key, stage, [(v.name, v.type, v.shape) for v in (*session.get_inputs(), *session.get_outputs())])
+                    rows = info.logit_rows if stage.head and info.trimmed_head is not None else None
+                    check_declared_io(owner_arch, key, stage, [(v.name, v.type, v.shape) for v in (*session.get_inputs(), *session.get_outputs())], rows)
                 if reason:  # later stages of the group go straight to the CPU
                     self.provider_choices[group] = dataclasses.replace(choice, provider="cpu", fallback_from=choice.provider, reason=reason)
                 self._sessions[key] = session
@@ -228,7 +229,8 @@ class Engine:
             device = kv_device(owner_stages, [self._sessions[key] for key in manifest.models[owner].stages])
             self._caches[owner] = KVCache(range(arch.n_layers), arch.n_kv_heads, arch.max_context, arch.head_dim, arch.kv_dtype, device)
         min_rows = 2 if self.config.block_stable and role == "target" else 1
-        return ModelRunner(role, info, stages, sessions, self._caches[owner], min_rows)
+        head_tokens = load_head_tokens(self.bundle.path, manifest, role) if info.trimmed_head is not None else None
+        return ModelRunner(role, info, stages, sessions, self._caches[owner], min_rows, head_tokens)
 
     def _model_drafter(self, kind: str) -> Drafter | None:
         models = self.bundle.manifest.models

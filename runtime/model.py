@@ -9,6 +9,14 @@ from edge_spec.manifest import ModelInfo, StageInfo
 from runtime.kv_cache import KVCache
 
 
+def full_vocab_logits(trimmed: np.ndarray, head_tokens: np.ndarray, vocab_size: int) -> np.ndarray:
+    """A trimmed head's logits [N, K] at their token ids in [N, vocab_size], -inf elsewhere: the
+    draft's q is then exactly 0 on every dropped token, whatever sampling does to the row."""
+    full = np.full((trimmed.shape[0], vocab_size), -np.inf, dtype=trimmed.dtype)  # [N,V]
+    full[:, head_tokens] = trimmed
+    return full
+
+
 class ModelRunner:
     """Runs a role's stages (embed ... head) on a block at position cache.kv_len.
 
@@ -16,8 +24,11 @@ class ModelRunner:
     sessions); the cache is the role's own, or the target's for a layer-skip draft.
     """
 
-    def __init__(self, role: str, info: ModelInfo, stages: list[StageInfo], sessions: list, cache: KVCache, min_rows: int = 1):
+    def __init__(self, role: str, info: ModelInfo, stages: list[StageInfo], sessions: list, cache: KVCache, min_rows: int = 1,
+                 head_tokens: np.ndarray | None = None):
         self.role = role
+        # A trimmed draft head (manifest.load_head_tokens): the token id of each logit column.
+        self.head_tokens = head_tokens
         # Block-stable mode (min_rows 2): ONNX Runtime's CPU kernels compute a row differently
         # in a 1-row pass than in a pass of 2 or more, and quantized activations amplify that;
         # rows of any pass of 2 or more agree bit for bit, so every pass gets at least 2.
@@ -106,6 +117,8 @@ class ModelRunner:
                 x = self.run_stage(index, x, start, logit_positions)
         self.cache.extend(token_ids)
         self.cache.kv_len -= len(token_ids) - block
+        if self.head_tokens is not None:
+            return full_vocab_logits(x[0], self.head_tokens, self.vocab_size)  # [N,V]
         return x[0]  # [N,V]
 
     def prefill(self, token_ids, chunk: int = 256) -> None:

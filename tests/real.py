@@ -80,7 +80,10 @@ REAL_BUNDLES = {
     "gemma3-fp32": ("gemma-3-270m", "fp32", ("layer-skip:9",), 1024, "fused", "cpu"),
     "gemma3-int8": ("gemma-3-270m", "int8", ("layer-skip:9",), 1024, "fused", "cpu"),
     "gemma3-int4": ("gemma-3-270m", "int4", ("layer-skip:9",), 1024, "fused", "cpu"),
+    # The int4 pair with the draft's LM head trimmed (export --draft-vocab, counted on stdlib,docs).
+    "qwen-pair-int4-trim32k": ("qwen2.5-coder-1.5b", "int4", ("qwen2.5-coder-0.5b",), 2048, "fused", "cpu"),
 }
+DRAFT_VOCAB = {"qwen-pair-int4-trim32k": 32768}  # name -> export --draft-vocab
 
 
 def _bundle_path(name: str) -> Path:
@@ -97,7 +100,7 @@ def bundle(name: str) -> Path:
         model = REAL_BUNDLES[name][0]
         todo = [n for n, spec in REAL_BUNDLES.items() if spec[0] == model and not (_bundle_path(n) / "manifest.json").is_file()]
         configs = [
-            f"ExportConfig({REAL_BUNDLES[n][0]!r}, Path({str(_bundle_path(n))!r}), {REAL_BUNDLES[n][1]!r}, {REAL_BUNDLES[n][3]}, {REAL_BUNDLES[n][2]!r}, force=True, attention={REAL_BUNDLES[n][4]!r}, device={REAL_BUNDLES[n][5]!r})"
+            f"ExportConfig({REAL_BUNDLES[n][0]!r}, Path({str(_bundle_path(n))!r}), {REAL_BUNDLES[n][1]!r}, {REAL_BUNDLES[n][3]}, {REAL_BUNDLES[n][2]!r}, force=True, attention={REAL_BUNDLES[n][4]!r}, device={REAL_BUNDLES[n][5]!r}, draft_vocab={DRAFT_VOCAB.get(n)!r})"
             for n in todo
         ]
         script = "from pathlib import Path\nfrom export.bundle import ExportConfig, export_bundles\nexport_bundles([" + ", ".join(configs) + "])"

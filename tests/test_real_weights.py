@@ -261,3 +261,37 @@ def test_qwen_pair_greedy_speculative_equals_plain(name):
             speculative = engine.generate(ids, config)
             assert speculative.token_ids == plain, (drafter, i)
             assert speculative.stats["drafted_tokens"] > 0, (drafter, i)
+
+
+def test_qwen_trimmed_draft_head_is_exact():
+    """The int4 pair with the 0.5B draft's head cut to 32,768 rows (export --draft-vocab): its
+    logits are the whole head's on the kept rows and -inf elsewhere, greedy speculation is plain's
+    (block-stable), and sampled speculation passes the audit. c and alpha: `bench` in BENCHMARKS.md."""
+    from edge_spec.manifest import load_head_tokens
+
+    real.need(real.QWEN_TARGET, real.QWEN_DRAFT, real.HUMANEVAL)
+    path = real.bundle("qwen-pair-int4-trim32k")
+    engine = Engine(path, EngineConfig(provider="cpu", drafter="model", calibrate=False, block_stable=True))
+    kept = load_head_tokens(path, engine.bundle.manifest, "draft")
+    assert len(kept) == 32768 and set(engine.tokenizer.eos_token_ids) <= set(kept.tolist())
+    ids = engine.encode(messages=real.humaneval_messages(1)[0])
+    whole = Engine(real.bundle("qwen-pair-int4"), EngineConfig(provider="cpu", drafter="model", calibrate=False))
+    runners = [e.drafter.runner for e in (engine, whole)]
+    for runner in runners:
+        runner.cache.reset()
+    trimmed, full = (r.forward(ids[-64:]) for r in runners)  # [64, V]
+    del whole, runners
+    assert np.abs(trimmed[:, kept] - full[:, kept]).max() < 1e-3
+    assert np.isneginf(np.delete(trimmed, kept, axis=1)).all()
+    config = GenerateConfig(max_new_tokens=48)
+    for messages in real.humaneval_messages(2):
+        ids = engine.encode(messages=messages)
+        engine.use_drafter("none")
+        plain = engine.generate(ids, config).token_ids
+        engine.use_drafter("model", gamma=3)
+        speculative = engine.generate(ids, config)
+        assert speculative.token_ids == plain
+        assert speculative.stats["accepted_tokens"] > 0
+    report = _audit(engine, "def quicksort(xs):", "model", 300)
+    assert report.exercised and report.rejections > 0, report.lines()
+    assert report.passed, report.lines()

@@ -76,6 +76,8 @@ def plan(bundle: Path, roles: list[str] | None, check_hashes: bool = True) -> di
             raise PackageError(f"model {role!r} keeps a {model.arch.kv_dtype} KV cache: the Kotlin core keeps float32 KV buffers only")
         if model.arch.model_type not in PHONE_MODEL_TYPES:
             raise PackageError(f"model {role!r} is a {model.arch.model_type!r}: the phone path is verified for {', '.join(PHONE_MODEL_TYPES)}")
+        if model.trimmed_head is not None:
+            raise PackageError(f"model {role!r} has a trimmed LM head: the Kotlin core does not run trimmed draft heads yet; re-export without --draft-vocab")
         fused = [key for key in model.stages if manifest.stages[key].layers and manifest.stages[key].attention != "portable"]
         if fused:
             raise PackageError(f"model {role!r} has fused-attention stages {fused}: the phone path runs portable graphs; re-export with --attention portable")

@@ -47,6 +47,9 @@ class ManifestTest {
         val arch = m.getJSONObject("models").getJSONObject("target").getJSONObject("arch")
         arch.put("layer_windows", org.json.JSONArray(List(arch.getInt("n_layers")) { if (it % 2 == 0) 16 else 0 }))
     }), "sliding-window layers (layer_windows)")
+    @Test fun `trimmed draft head refused`() = refused(mutated({ m ->
+        m.getJSONObject("models").getJSONObject("draft").put("trimmed_head", JSONObject(mapOf("file" to "draft.head_tokens.npy", "rows" to 64, "counted_from" to "")))
+    }), "trimmed LM head (trimmed_head)", "export without --draft-vocab")
     @Test fun `unknown field`() = refused(mutated({ it.put("extra", 1) }), "unknown field(s) [extra]")
     @Test fun `gpu device profile refused`() = refused(mutated({ it.put("device", "cuda") }), "exported for --device cuda", "--device cpu")
     @Test fun `no target`() = refused(mutated({ m -> val models = m.getJSONObject("models"); models.put("x", models.remove("target")); m.remove("default_draft") }), "no 'target' model")

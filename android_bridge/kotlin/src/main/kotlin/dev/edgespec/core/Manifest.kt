@@ -105,7 +105,11 @@ object ManifestReader {
         val modelsObj = top.obj("models")
         val models = LinkedHashMap<String, ModelInfo>()
         for (role in modelsObj.keys()) {
-            val f = Fields(modelsObj.getJSONObject(role), "model '$role'", listOf("source", "arch", "quant", "stages", "shares_kv_with"))
+            val f = Fields(modelsObj.getJSONObject(role), "model '$role'", listOf("source", "arch", "quant", "stages", "shares_kv_with", "trimmed_head"))
+            // A trimmed draft head needs its logits put back at the kept token ids; this core does not do that yet.
+            if (f.has("trimmed_head")) {
+                throw BundleException("model '$role' has a trimmed LM head (trimmed_head): the Android core does not run trimmed draft heads yet; export without --draft-vocab")
+            }
             val a = Fields(f.obj("arch"), "model '$role' arch",
                 listOf("model_type", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_size", "vocab_size", "max_context", "kv_dtype", "layer_windows"))
             // Windowed layers are masked inside the graphs, but that path is untested here: refused by name, not run.
