@@ -9,7 +9,8 @@ import time
 import pytest
 
 from edge_spec.sampling import SamplingConfig
-from runtime.api import Chunk, Model, Options, QueueFullError, QueueTimeoutError, _stop_prefix_len
+from edge_spec.commit import stop_prefix_len
+from runtime.api import Chunk, Model, Options, QueueFullError, QueueTimeoutError
 from runtime.engine import EngineConfig, GenerateConfig, PromptTooLongError
 
 PROMPTS = ["the cat sat on", "quick brown fox", "river stone tree", "print def return import", "morning night light"]
@@ -73,10 +74,10 @@ def test_stop_strings_are_never_streamed(model, plain):
             checked += 1
             break
     assert checked >= 3
-    assert _stop_prefix_len("abc", ("cde",)) == 1
-    assert _stop_prefix_len("abcd", ("cde", "bcdx")) == 3
-    assert _stop_prefix_len("abc", ("xyz",)) == 0
-    assert _stop_prefix_len("ab", ("ab",)) == 0  # a whole stop string is the engine's to cut
+    assert stop_prefix_len("abc", ("cde",)) == 1
+    assert stop_prefix_len("abcd", ("cde", "bcdx")) == 3
+    assert stop_prefix_len("abc", ("xyz",)) == 0
+    assert stop_prefix_len("ab", ("ab",)) == 0  # a whole stop string is the engine's to cut
 
 
 def test_seeded_sampling_repeats_with_fixed_gamma(llama_bundle):
