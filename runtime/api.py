@@ -326,7 +326,7 @@ class Job:
         try:
             for piece, result in stream:
                 if self.first_token_at is None:
-                    self.first_token_at = time.perf_counter()  # the engine streams text after its rounds
+                    self.first_token_at = time.perf_counter()  # the first text (or the result) arrived
                 if result is None:
                     yield Chunk(piece)
                     continue
