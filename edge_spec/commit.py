@@ -1,10 +1,12 @@
-"""What a speculative round may commit: the stopping rules, as one pure function.
+"""What a speculative round may commit: the stopping rules, as pure functions.
 
 A round can return more tokens than plain decoding would have produced before stopping, so
-the caller cuts them, in this order: the token budget, the context limit, EOS (within what
-the first two keep), then stop strings in the decoded text (the earliest in the text wins,
-whichever was listed first). The Python engine and the Kotlin port (Commit.kt) both call it;
-android_bridge/tools/write_traces.py locks them together.
+the caller cuts them (commit), in this order: the token budget, the context limit, EOS (within
+what the first two keep), then stop strings in the decoded text (the earliest in the text
+wins, whichever was listed first). The Python engine and the Kotlin port (Commit.kt) both call
+commit; android_bridge/tools/write_traces.py locks them together. While streaming, the Python
+engine also holds back the tail of the text that may still start a stop string
+(stop_prefix_len), so no streamed text is later cut.
 """
 
 from __future__ import annotations
@@ -56,3 +58,15 @@ def commit(
         piece = piece[: max(0, len(piece) - (len(text) - cut))]
         text, reason = text[:cut], "stop"
     return Commit(tokens, piece, text, reason)
+
+
+def stop_prefix_len(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest tail of text that is a proper prefix of a stop string: text that
+    must be held back from a stream until it is known not to start a stop string."""
+    best = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:k]):
+                best = k
+                break
+    return best

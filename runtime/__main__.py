@@ -170,13 +170,12 @@ def cmd_generate(args) -> int:
             "stop_reason": result.stop_reason,
             "provider": engine.provider_report(),
             "timings": result.timings,
-            "stats": result.stats,
+            "stats": result.stats.to_dict(),
         }))
     else:
-        s = result.stats
         print(
             f"\n[stop: {result.stop_reason}; {len(result.token_ids)} tokens; prefill {result.timings['prefill_ms']:.0f} ms; "
-            f"{result.timings['decode_tokens_per_s']:.1f} tok/s; {s['tokens_per_pass']:.2f} tokens/pass]",
+            f"{result.timings['decode_tokens_per_s']:.1f} tok/s; {result.stats.tokens_per_pass:.2f} tokens/pass]",
             file=sys.stderr,
         )
     return 0

@@ -4,7 +4,7 @@
 
     model = Model.load("bundles/smollm2", provider="cpu", max_queue=8)
     result = model.generate("The capital of France is", max_tokens=16)
-    print(result.text, result.stop_reason, result.stats["acceptance_rate"])
+    print(result.text, result.stop_reason, result.stats.acceptance_rate)
 
     for chunk in model.stream(messages=[{"role": "user", "content": "Hi!"}], stop=["\\n\\n"]):
         print(chunk.text, end="", flush=True)
@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import AsyncIterator, Iterator
 
 from edge_spec.sampling import SamplingConfig
-from runtime.engine import Engine, EngineConfig, GenerateConfig, GenerationResult, PromptTooLongError, check_token_ids
+from runtime.engine import Engine, EngineConfig, GenerateConfig, GenerationResult, Prompt, PromptTooLongError
+from runtime.stats import summarize
 
 STOP_REASONS = ("eos", "stop", "length", "context", "cancelled")
 
@@ -97,25 +98,8 @@ class Chunk:
 
 
 def _empty_result(prompt_ids: list[int], stop_reason: str) -> GenerationResult:
-    stats = {
-        "target_passes": 0, "drafted_tokens": 0, "accepted_tokens": 0, "acceptance_rate": None, "alpha": None,
-        "tokens_per_pass": 0.0, "gamma_histogram": {}, "drafter_rounds": {}, "cost_ratio": {},
-        "time_s": {"draft": 0.0, "target": 0.0, "other": 0.0},
-    }
-    timings = {"prefill_ms": 0.0, "decode_s": 0.0, "decode_tokens_per_s": 0.0}
-    return GenerationResult("", list(prompt_ids), [], stop_reason, timings, stats)
-
-
-def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest tail of text that is a proper prefix of a stop string: text that
-    must be held back from the stream until it is known not to start a stop string."""
-    best = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:k]):
-                best = k
-                break
-    return best
+    stats = summarize((), 0, {}, 0.0, None, 0.0)
+    return GenerationResult("", list(prompt_ids), [], stop_reason, stats.timings(), stats)
 
 
 class _TurnQueue:
@@ -255,9 +239,10 @@ class Job:
     """One admitted request. Iterate it once, either synchronously (runs on the calling thread)
     or asynchronously (runs on a worker thread), or call result() / await aresult()."""
 
-    def __init__(self, model: "Model", prompt_ids: list[int], options: Options, cancel: threading.Event | None):
+    def __init__(self, model: "Model", prompt: Prompt, options: Options, cancel: threading.Event | None):
         self.model = model
-        self.prompt_ids = list(prompt_ids)
+        self.prompt = prompt
+        self.prompt_ids = list(prompt)
         self.options = options
         self._cancel = cancel if cancel is not None else threading.Event()
         self._ticket = model._queue.reserve()
@@ -337,26 +322,14 @@ class Job:
             self._release()
 
     def _decode(self, queue_s: float) -> Iterator[Chunk]:
-        engine = self.model.engine
-        stops = self.options.stop
-        stream = engine.stream(self.prompt_ids, self.options.generate_config(), cancel=self._cancel)
-        raw = ""  # everything the engine streamed
-        emitted = ""  # what this stream passed on (raw less a tail that may start a stop string)
+        stream = self.model.engine.stream(self.prompt, self.options.generate_config(), cancel=self._cancel)
         try:
             for piece, result in stream:
                 if self.first_token_at is None:
-                    self.first_token_at = time.perf_counter()  # the engine streams after its first round
+                    self.first_token_at = time.perf_counter()  # the first text (or the result) arrived
                 if result is None:
-                    raw += piece
-                    safe = len(raw) - _stop_prefix_len(raw, stops) if stops else len(raw)
-                    if safe > len(emitted):
-                        out, emitted = raw[len(emitted) : safe], raw[:safe]
-                        yield Chunk(out)
+                    yield Chunk(piece)
                     continue
-                # The result's text is the truth: flush what was held back (a stop-string prefix
-                # that did not complete, or bytes the incremental decoder was still waiting on).
-                if result.text.startswith(emitted) and len(result.text) > len(emitted):
-                    yield Chunk(result.text[len(emitted) :])
                 self._finish(result, queue_s)
                 yield Chunk("", result)
         finally:
@@ -549,9 +522,9 @@ class Model:
             v = self._counters.values
             v["prompt_tokens"] += len(result.prompt_ids)
             v["completion_tokens"] += len(result.token_ids)
-            v["target_passes"] += s.get("target_passes", 0)
-            v["drafted_tokens"] += s.get("drafted_tokens", 0)
-            v["accepted_tokens"] += s.get("accepted_tokens", 0)
+            v["target_passes"] += s.target_passes
+            v["drafted_tokens"] += s.drafted_tokens
+            v["accepted_tokens"] += s.accepted_tokens
             key = f"finished_{result.stop_reason}"
             v[key] = v.get(key, 0) + 1
 
@@ -568,15 +541,9 @@ class Model:
         """Token ids a prompt may hold: [0, vocab_size)."""
         return self.engine.bundle.manifest.tokenizer.n_real_tokens
 
-    def check_prompt(self, prompt_ids: list[int]) -> None:
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        check_token_ids(prompt_ids, self.vocab_size)
-        if len(prompt_ids) >= self.max_context:
-            raise PromptTooLongError(
-                f"prompt has {len(prompt_ids)} tokens but the bundle's max context is {self.max_context}; "
-                "shorten the prompt or re-export with a larger --max-context"
-            )
+    def check_prompt(self, prompt_ids: list[int]) -> Prompt:
+        """The engine's prompt check; the Prompt it returns is not checked again by submit."""
+        return self.engine.check_prompt(prompt_ids)
 
     def submit(
         self,
@@ -600,10 +567,9 @@ class Model:
             raise ValueError("pass either options or individual settings, not both")
         if options is None:
             options = Options(**settings)
-        ids = list(prompt_ids) if prompt_ids is not None else self.encode(prompt=prompt, messages=messages)
-        self.check_prompt(ids)
+        checked = self.check_prompt(prompt_ids if prompt_ids is not None else self.encode(prompt=prompt, messages=messages))
         try:
-            job = Job(self, ids, options, cancel)
+            job = Job(self, checked, options, cancel)
         except QueueFullError:
             self._count("rejected")
             raise
@@ -640,6 +606,6 @@ class Model:
 
 
 __all__ = [
-    "Chunk", "GenerationResult", "Job", "Model", "ModelClosedError", "Options", "PromptTooLongError",
+    "Chunk", "GenerationResult", "Job", "Model", "ModelClosedError", "Options", "Prompt", "PromptTooLongError",
     "QueueFullError", "QueueTimeoutError", "EngineConfig",
 ]

@@ -134,5 +134,5 @@ def run_chat(model: Model, system: str | None = None, max_tokens: int = 512, tem
         t = result.timings
         out.write("\n" + _dim(
             f"[{len(result.token_ids)} tokens, stop: {result.stop_reason}, prompt {n_prompt} tokens, "
-            f"{result.stats['tokens_per_pass']:.2f} tokens/pass, {t['decode_tokens_per_s']:.1f} tok/s]", tty) + "\n")
+            f"{result.stats.tokens_per_pass:.2f} tokens/pass, {t['decode_tokens_per_s']:.1f} tok/s]", tty) + "\n")
         out.flush()

@@ -40,7 +40,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from runtime.api import Job, Model, ModelClosedError, Options, QueueFullError, QueueTimeoutError
-from runtime.engine import PromptTooLongError
+from runtime.engine import Prompt, PromptTooLongError
 from runtime.tokenizer import ChatTemplateError
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB of JSON is far more than any prompt a bundle's context holds
@@ -304,10 +304,10 @@ class Metrics:
                 h["time_to_first_token_seconds"].observe(first_token_at - began)
                 if n > 1:
                     h["time_per_output_token_seconds"].observe((ended - first_token_at) / (n - 1))
-            if result.stats.get("alpha") is not None:
-                h["request_acceptance_alpha"].observe(result.stats["alpha"])
-            if result.stats.get("target_passes"):
-                h["request_tokens_per_pass"].observe(result.stats["tokens_per_pass"])
+            if result.stats.alpha is not None:
+                h["request_acceptance_alpha"].observe(result.stats.alpha)
+            if result.stats.target_passes:
+                h["request_tokens_per_pass"].observe(result.stats.tokens_per_pass)
 
     def render(self, model: Model) -> str:
         c = model.counters()
@@ -429,7 +429,7 @@ def _stop(body: dict) -> tuple[str, ...]:
 
 @dataclass
 class Parsed:
-    prompt_ids: list[int]
+    prompt_ids: Prompt  # checked once, in _check_prompt_ids
     options: Options
     stream: bool
     include_usage: bool
@@ -652,9 +652,11 @@ class Server:
             include_usage = _boolean(options, "include_usage", False)
         return stream, include_usage
 
-    def _check_prompt_ids(self, ids: list[int], param: str) -> None:
+    def _check_prompt_ids(self, ids: list[int], param: str) -> Prompt:
+        """The prompt check, once per request (submit takes the Prompt as checked), with the
+        errors in OpenAI's shape."""
         try:
-            self.model.check_prompt(ids)
+            return self.model.check_prompt(ids)
         except PromptTooLongError:
             raise ApiError(400, f"This model's maximum context length is {self.model.max_context} tokens, but the "
                                 f"prompt has {len(ids)} tokens; shorten the prompt", param=param,
@@ -693,9 +695,6 @@ class Server:
             self._cheap_length_check(len(prompt.encode("utf-8")), "prompt")
             ids = await self._encode(prompt=prompt, parse_special=parse_special)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            vocab = self.model.vocab_size
-            if any(not 0 <= t < vocab for t in prompt):
-                raise _value_error("prompt", f"token ids must be in [0, {vocab})")
             ids = list(prompt)
         elif prompt is None:
             raise ApiError(400, "prompt is required", param="prompt", code="missing_required_parameter")
@@ -703,7 +702,7 @@ class Server:
             raise _value_error("prompt", "this server takes one prompt per request (a string or a list of token ids)")
         else:
             raise _type_error("prompt", "a string or a list of token ids", prompt)
-        self._check_prompt_ids(ids, "prompt")
+        ids = self._check_prompt_ids(ids, "prompt")
         options = self._options(body, len(ids), DEFAULT_COMPLETION_TOKENS, ("max_tokens",))
         stream, include_usage = self._stream_flags(body)
         return Parsed(ids, options, stream, include_usage)
@@ -755,7 +754,7 @@ class Server:
             ids = await self._encode(messages=clean)
         except ChatTemplateError as exc:
             raise _value_error("messages", str(exc)) from None
-        self._check_prompt_ids(ids, "messages")
+        ids = self._check_prompt_ids(ids, "messages")
         options = self._options(body, len(ids), self.model.max_context - len(ids),
                                 ("max_completion_tokens", "max_tokens"))
         stream, include_usage = self._stream_flags(body)
@@ -894,7 +893,7 @@ class Server:
 
     @staticmethod
     def _speculative(result) -> dict:
-        return {"stop_reason": result.stop_reason, **result.stats, "timings": result.timings}
+        return {"stop_reason": result.stop_reason, **result.stats.to_dict(), "timings": result.timings}
 
     def _final_body(self, result, ident: str, chat: bool) -> dict:
         finish = FINISH_REASONS[result.stop_reason]

@@ -108,17 +108,30 @@ class BundleTokenizer:
 
 
 class StreamDecoder:
-    """Turns a growing list of ids into text pieces, holding back incomplete UTF-8 sequences."""
+    """Turns a growing list of ids into text pieces, holding back incomplete UTF-8 sequences.
+
+    Each push decodes only a window: the ids of the last non-empty piece it emitted (context,
+    so a leading-space rule or a byte-level merge reads the new ids as decode(all ids) does)
+    and those since. The piece is what the window decodes to past that context, so the work
+    per push is the window's, not the whole output's.
+    """
 
     def __init__(self, tokenizer: BundleTokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.emitted = ""
+        self._context = 0  # window start: the first id of the last piece emitted
+        self._emitted = 0  # ids up to here are in emitted pieces; the rest wait
 
     def push(self, ids) -> str:
         self.ids.extend(int(i) for i in ids)
-        text = self.tokenizer.decode(self.ids)
+        if len(self.ids) == self._emitted:
+            return ""
+        text = self.tokenizer.decode(self.ids[self._context :])
         if text.endswith("\ufffd"):
             return ""
-        piece, self.emitted = text[len(self.emitted) :], text
+        known = self.tokenizer.decode(self.ids[self._context : self._emitted]) if self._emitted > self._context else ""
+        piece = text[len(known) :]
+        if piece:  # ids that decode to nothing (a skipped special token) would strip the next one's leading space
+            self._context = self._emitted
+        self._emitted = len(self.ids)
         return piece

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from edge_spec.sampling import SamplingConfig
-from runtime.api import Chunk, Model, Options, QueueFullError, QueueTimeoutError, _stop_prefix_len
+from edge_spec.commit import stop_prefix_len
+from runtime.api import Chunk, Model, Options, QueueFullError, QueueTimeoutError
 from runtime.engine import EngineConfig, GenerateConfig, PromptTooLongError
 
 PROMPTS = ["the cat sat on", "quick brown fox", "river stone tree", "print def return import", "morning night light"]
@@ -73,10 +74,49 @@ def test_stop_strings_are_never_streamed(model, plain):
             checked += 1
             break
     assert checked >= 3
-    assert _stop_prefix_len("abc", ("cde",)) == 1
-    assert _stop_prefix_len("abcd", ("cde", "bcdx")) == 3
-    assert _stop_prefix_len("abc", ("xyz",)) == 0
-    assert _stop_prefix_len("ab", ("ab",)) == 0  # a whole stop string is the engine's to cut
+    assert stop_prefix_len("abc", ("cde",)) == 1
+    assert stop_prefix_len("abcd", ("cde", "bcdx")) == 3
+    assert stop_prefix_len("abc", ("xyz",)) == 0
+    assert stop_prefix_len("ab", ("ab",)) == 0  # a whole stop string is the engine's to cut
+
+
+def test_the_engine_streams_stop_strings_as_the_api_does(model, plain):
+    """Cutting at stop strings and holding back their prefixes both happen in the engine: its
+    own stream never shows text that a later round cuts, and the pieces add up to the text."""
+    checked = 0
+    for prompt in PROMPTS:
+        text = plain(prompt, max_tokens=20).text
+        ids = model.encode(prompt=prompt)
+        for start in range(1, len(text) - 3):
+            stop = text[start : start + 3]
+            if "\ufffd" in stop:
+                continue
+            pieces, result = [], None
+            for piece, result in model.engine.stream(ids, GenerateConfig(20, SamplingConfig(), (stop, "zzzzzz"))):
+                pieces.append(piece)
+            assert "".join(pieces) == result.text == text[: text.index(stop)], (prompt, stop)
+            assert all(stop not in "".join(pieces[: i + 1]) for i in range(len(pieces)))
+            checked += 1
+            break
+    assert checked >= 3
+
+
+def test_the_prompt_is_checked_once_per_request(model, monkeypatch):
+    import runtime.engine as engine_module
+
+    calls = []
+    check = engine_module.check_token_ids
+    monkeypatch.setattr(engine_module, "check_token_ids", lambda ids, vocab: calls.append(len(ids)) or check(ids, vocab))
+    ids = model.encode(prompt="the cat")
+    model.generate(prompt_ids=ids, max_tokens=2)
+    assert calls == [len(ids)]
+    list(model.stream("the cat", max_tokens=2))
+    model.engine.generate(ids, GenerateConfig(2))
+    assert calls == [len(ids)] * 3
+    checked = model.check_prompt(ids)
+    model.generate(prompt_ids=checked, max_tokens=2)
+    model.engine.generate(checked, GenerateConfig(2))
+    assert calls == [len(ids)] * 4
 
 
 def test_seeded_sampling_repeats_with_fixed_gamma(llama_bundle):

@@ -261,20 +261,20 @@ def test_export_refuses_an_unknown_device(tiny_models, tmp_path):
 def test_gpu_providers_refuse_a_bundle_they_cannot_place(bundles, monkeypatch):
     """On CUDA (faked as available) a --device cpu fused bundle is refused before any session,
     in one line naming the right --device."""
-    import runtime.engine as engine_module
+    import runtime.loader as loader_module
     from runtime.sessions import ProviderChoice
 
-    monkeypatch.setattr(engine_module, "resolve_provider", lambda name, allow: ProviderChoice("cuda", "cuda", ("CUDAExecutionProvider",)))
-    monkeypatch.setattr(engine_module, "open_session", lambda *a, **k: pytest.fail("a session was opened"))
+    monkeypatch.setattr(loader_module, "resolve_provider", lambda name, allow: ProviderChoice("cuda", "cuda", ("CUDAExecutionProvider",)))
+    monkeypatch.setattr(loader_module, "open_session", lambda *a, **k: pytest.fail("a session was opened"))
     with pytest.raises(BundleError, match=r"cannot run on cuda: .*GroupQueryAttention.*re-export it with --device cuda"):
         Engine(bundles["llama"], EngineConfig(provider="cuda", drafter="none", calibrate=False))
 
 
 def test_auto_provider_falls_back_to_the_cpu_for_a_bundle_cuda_cannot_place(bundles, monkeypatch):
-    import runtime.engine as engine_module
+    import runtime.loader as loader_module
     from runtime.sessions import ProviderChoice
 
-    monkeypatch.setattr(engine_module, "resolve_provider", lambda name, allow: ProviderChoice("cuda", "auto", ("CUDAExecutionProvider", "CPUExecutionProvider")))
+    monkeypatch.setattr(loader_module, "resolve_provider", lambda name, allow: ProviderChoice("cuda", "auto", ("CUDAExecutionProvider", "CPUExecutionProvider")))
     engine = Engine(bundles["llama"], EngineConfig(provider="auto", drafter="none", calibrate=False))
     assert engine.provider == "cpu" and engine.provider_report()["target"]["fallback_from"] == "cuda"
     assert any("cannot run on cuda" in w and "--device cuda" in w for w in engine.warnings)

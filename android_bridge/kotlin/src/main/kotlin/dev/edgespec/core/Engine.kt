@@ -19,18 +19,30 @@ data class GenerationResult(
     val draftedTokens: Int get() = steps.sumOf { it.nDrafted }
 }
 
-/** Turns a growing id list into text pieces, holding back incomplete UTF-8 (runtime/tokenizer.py StreamDecoder). */
-class StreamDecoder(private val tokenizer: BpeTokenizer) {
+/**
+ * Turns a growing id list into text pieces, holding back incomplete UTF-8 (runtime/tokenizer.py StreamDecoder).
+ * Each push decodes only a window: the ids of the last non-empty piece (context) and those since.
+ */
+class StreamDecoder(private val decode: (IntArray) -> String) {
+    constructor(tokenizer: BpeTokenizer) : this({ ids -> tokenizer.decode(ids) })
+
     private val ids = ArrayList<Int>()
-    private var emitted = ""
+    private var context = 0 // window start: the first id of the last non-empty piece
+    private var emitted = 0 // ids up to here are in emitted pieces; the rest wait
+
     fun push(newIds: List<Int>): String {
         ids.addAll(newIds)
-        val text = tokenizer.decode(ids.toIntArray())
+        if (ids.size == emitted) return ""
+        val text = decode(slice(context, ids.size))
         if (text.endsWith("\uFFFD")) return ""
-        val piece = if (text.startsWith(emitted)) text.substring(emitted.length) else text.substring(minOf(emitted.length, text.length))
-        emitted = text
+        val known = if (emitted > context) decode(slice(context, emitted)) else ""
+        val piece = text.substring(minOf(known.length, text.length))
+        if (piece.isNotEmpty()) context = emitted
+        emitted = ids.size
         return piece
     }
+
+    private fun slice(from: Int, to: Int) = IntArray(to - from) { ids[from + it] }
 }
 
 /**
