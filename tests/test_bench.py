@@ -285,3 +285,46 @@ def test_spinning_engine_restores_the_runtime_options(llama_bundle):
     shipped = sessions.session_options
     _engine(str(llama_bundle), spin=False)
     assert sessions.session_options is shipped
+
+
+def test_conversations_temperature_and_suffix_modes(llama_bundle, tmp_path):
+    conversation = {"id": "conv", "category": "multi-turn", "turns": ["the cat sat on the", "and then the cat"]}
+    prompts = load_prompts(str(_write_prompts(tmp_path / "conv.jsonl", [conversation, PROMPTS[0]])))
+    greedy = run_bench(llama_bundle, prompts, BenchConfig(modes=("plain", "lookup", "suffix", "auto+suffix"), max_new_tokens=6,
+                                                          gamma=2, threads=1))
+    rows = {(r["prompt_id"], r["mode"]): r for r in greedy["runs"]}
+    assert {pid for pid, _ in rows} == {"conv#1", "conv#2", "story-1"}
+    # The second turn is asked after the first turn's (plain) reply: a longer prompt.
+    assert rows["conv#2", "plain"]["prompt_tokens"] > rows["conv#1", "plain"]["prompt_tokens"] + 6
+    assert all(r["identical_to_plain"] for r in greedy["runs"])  # greedy, fp32: copying never changes the output
+    assert greedy["summary"]["suffix"]["multi-turn"]["runs"] == 2
+    sampled = run_bench(llama_bundle, prompts[1:], BenchConfig(modes=("plain", "lookup"), max_new_tokens=6, gamma=2, threads=1,
+                                                               temperature=0.8, top_p=0.9, seeds=2))
+    assert sampled["sampling"] == {"temperature": 0.8, "top_p": 0.9, "seeds": 2}
+    assert sorted((r["mode"], r["seed"]) for r in sampled["runs"]) == [("lookup", 0), ("lookup", 1), ("plain", 0), ("plain", 1)]
+
+
+def test_sampling_settings_are_checked():
+    with pytest.raises(ValueError, match="no seeds or top-p"):
+        BenchConfig(seeds=3)
+    with pytest.raises(ValueError, match="top_p"):
+        BenchConfig(temperature=0.7, top_p=0.0)
+
+
+def test_more_prompt_specs(tmp_path):
+    with pytest.raises(PromptsError, match="humaneval:A-B"):
+        load_prompts("humaneval:9-3")
+    edits = load_prompts("stdlib-edit:3")
+    assert len(edits) == 3 and {p.category for p in edits} == {"edit"}
+    assert all("```python\ndef " in p.messages[0]["content"] for p in edits)
+    assert [p.id for p in load_prompts("stdlib-edit:3")] == [p.id for p in edits]  # the same set every time
+    with pytest.raises(PromptsError, match="at least two non-empty strings"):
+        load_prompts(str(_write_prompts(tmp_path / "t.jsonl", [{"id": "a", "category": "x", "turns": ["only one"]}])))
+    with pytest.raises(PromptsError, match="exactly one of"):
+        load_prompts(str(_write_prompts(tmp_path / "u.jsonl", [{"id": "a", "category": "x", "prompt": "p", "turns": ["a", "b"]}])))
+
+
+def test_shipped_conversations():
+    conversations = load_prompts(str(ROOT / "benchmarks" / "prompts" / "multi-turn.jsonl"))
+    assert len(conversations) == 6 and {p.category for p in conversations} == {"multi-turn"}
+    assert all(p.turns and len(p.turns) == 3 for p in conversations)

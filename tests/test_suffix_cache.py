@@ -89,3 +89,19 @@ def test_a_sequence_enters_the_index_when_the_next_starts_and_forget_drops_all()
     assert drafter.find(np.array([7, 30, 31]), 4).tolist() == [32, 33]
     drafter.forget()
     assert len(drafter.index) == 0 and len(drafter.find(np.array([7, 30, 31]), 4)) == 0
+
+
+def test_an_engine_copies_from_an_earlier_request_until_it_forgets(llama_bundle):
+    from runtime.engine import Engine, EngineConfig, GenerateConfig
+
+    engine = Engine(llama_bundle, EngineConfig(drafter="suffix", gamma=4, threads=1))
+    plain = Engine(llama_bundle, EngineConfig(drafter="none", threads=1))
+    prompt = engine.encode(prompt="the quick brown fox jumps over the lazy dog and")
+    first = engine.generate(prompt, GenerateConfig(24))
+    again = engine.generate(prompt, GenerateConfig(24))
+    expected = plain.generate(prompt, GenerateConfig(24)).token_ids
+    assert first.token_ids == again.token_ids == expected
+    # The repeat copies its whole answer from the first request.
+    assert again.stats["accepted_tokens"] > first.stats["accepted_tokens"] and again.stats["target_passes"] <= 8
+    engine.forget()
+    assert engine.generate(prompt, GenerateConfig(24)).stats["accepted_tokens"] == first.stats["accepted_tokens"]

@@ -40,7 +40,7 @@ def _humaneval(spec: str) -> list[BenchPrompt]:
         elif not dash and text.isdigit() and int(text) >= 1:
             count = int(text)
         else:
-            raise PromptsError(f"bad prompts spec {spec!r}: use humaneval, humaneval:N (the first N problems) "
+            raise PromptsError(f"bad prompts spec {spec!r}: use humaneval, humaneval:N (the first N problems, N a positive integer) "
                                "or humaneval:A-B (problems A to B-1, from 0)")
     path = models_dir() / HUMANEVAL_FILE
     if not path.is_file():
