@@ -91,7 +91,7 @@ class EngineConfig:
     # (runtime/model.py; the cost is in BENCHMARKS.md).
     block_stable: bool = False
     # Tokens of earlier sequences the suffix drafters (suffix, auto+suffix) keep to copy from.
-    suffix_cache_tokens: int = 1 << 18
+    suffix_cache_tokens: int = 1 << 16  # about 20 MB of index at most (README: suffix cache)
 
     def __post_init__(self):
         GammaConfig(fixed=self.gamma, max_gamma=self.max_gamma)  # raises ValueError on a γ it cannot run

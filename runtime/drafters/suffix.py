@@ -23,7 +23,7 @@ class SuffixIndex:
     continuations while enough of them agree. Holds at most max_tokens tokens: the oldest
     sequence is evicted first."""
 
-    def __init__(self, max_tokens: int = 1 << 18, key_len: int = 2, max_hits: int = 64, max_match: int = 32,
+    def __init__(self, max_tokens: int = 1 << 16, key_len: int = 2, max_hits: int = 64, max_match: int = 32,
                  min_support: float = 0.3, tokens_per_match: float = 4.0):
         if (max_tokens < 1 or key_len < 1 or max_hits < 1 or max_match < key_len or not 0.0 < min_support <= 1.0
                 or tokens_per_match <= 0):
