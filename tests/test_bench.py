@@ -188,7 +188,7 @@ def test_micro(llama_bundle, bench_out, capsys):
     (['{"id": "a", "category": "x", "prompt": "hi"}', '{"id": "b", "category": "x", "prompt": '], "line 2: not valid JSON"),
     (['{"category": "x", "prompt": "hi"}'], "line 1: missing field 'id'"),
     (['{"id": "a", "prompt": "hi"}'], "line 1: missing field 'category'"),
-    (['{"id": "a", "category": "x"}'], "line 1: give exactly one of 'prompt' (raw text) or 'messages' (chat), not neither"),
+    (['{"id": "a", "category": "x"}'], "line 1: give exactly one of 'prompt' (raw text), 'messages' (chat) or 'turns' (a conversation), not none"),
     (['{"id": "a", "category": "x", "prompt": "hi", "messages": []}'], "not both"),
     (['{"id": "a", "category": "x", "messages": [{"role": "user"}]}'], "line 1: messages[0] must be an object"),
     (['{"id": "a", "category": "x", "messages": []}'], "'messages' must be a non-empty list"),
