@@ -98,7 +98,7 @@ def _prompt_from_line(line: str, where: str) -> BenchPrompt:
     given = [key for key in ("prompt", "messages", "turns") if key in item]
     if len(given) != 1:
         raise PromptsError(f"{where}: give exactly one of 'prompt' (raw text), 'messages' (chat) or 'turns' (a conversation), "
-                           f"not {' and '.join(given) if given else 'none'}")
+                           f"not {'none' if not given else 'both' if len(given) == 2 else 'all three'}")
     has_prompt = given == ["prompt"]
     if given == ["turns"]:
         turns = item["turns"]
