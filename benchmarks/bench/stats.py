@@ -10,6 +10,7 @@ import numpy as np
 
 from benchmarks.bench.prompts import BenchPrompt
 from edge_spec.verify import expected_tokens_per_pass
+from runtime.stats import acceptance_alpha
 
 DEFINITIONS = {
     "tokens_per_s": "new tokens / decode seconds (the engine's decode window: after prefill, to the last token)",
@@ -87,8 +88,7 @@ def _mode_cost(by_drafter: dict) -> float | None:
     return by_drafter.get(model_parts[0]) if model_parts else by_drafter.get("lookup")
 
 
-def alpha_of(accepted: int, rejections: int) -> float | None:
-    return accepted / (accepted + rejections) if accepted + rejections else None
+alpha_of = acceptance_alpha  # the runtime's one definition of α
 
 
 def _bound(steps, alphas: dict, costs: dict, verify_units: dict | None = None) -> tuple[float | None, float | None]:
