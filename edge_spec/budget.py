@@ -39,7 +39,8 @@ _SCALE = 4 / QUANT_BLOCK  # scale bytes per weight
 _BITS = {"int4": 4, "int8": 8}
 _FLOAT_BYTES = {"fp16": 2, "fp32": 4}
 KV_ITEM_BYTES = {"float32": 4, "float16": 2}
-DRAFTER_ROLES = {"none": None, "lookup": None, "model": "draft", "layer-skip": "layer_skip"}  # "auto": default_draft
+DRAFTER_ROLES = {"none": None, "lookup": None, "suffix": None, "model": "draft", "layer-skip": "layer_skip"}
+DEFAULT_DRAFT_DRAFTERS = ("auto", "auto+suffix")  # copy, else the bundle's default draft
 
 # fp32 MatMul weights are packed by MLAS into column panels and the original released (BENCHMARKS.md).
 _FP32_PACKING = 1.02
@@ -379,9 +380,9 @@ def plan_roles(
 
 def drafter_roles(manifest: Manifest, drafter: str) -> tuple[str, ...]:
     """The roles a drafter loads: the target, and the draft role the drafter runs, if any."""
-    if drafter not in DRAFTER_ROLES and drafter != "auto":
-        raise ValueError(f"unknown drafter {drafter!r} (choose from auto, {', '.join(DRAFTER_ROLES)})")
-    role = manifest.default_draft if drafter == "auto" else DRAFTER_ROLES[drafter]
+    if drafter not in DRAFTER_ROLES and drafter not in DEFAULT_DRAFT_DRAFTERS:
+        raise ValueError(f"unknown drafter {drafter!r} (choose from {', '.join((*DEFAULT_DRAFT_DRAFTERS, *DRAFTER_ROLES))})")
+    role = manifest.default_draft if drafter in DEFAULT_DRAFT_DRAFTERS else DRAFTER_ROLES[drafter]
     if role is not None and role not in manifest.models:
         raise BundleError(f"the bundle has no {role!r} model (it has: {', '.join(manifest.models)}); re-export with the draft you want")
     return ("target",) if role is None else ("target", role)
