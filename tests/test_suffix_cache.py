@@ -105,3 +105,11 @@ def test_an_engine_copies_from_an_earlier_request_until_it_forgets(llama_bundle)
     assert again.stats["accepted_tokens"] > first.stats["accepted_tokens"] and again.stats["target_passes"] <= 8
     engine.forget()
     assert engine.generate(prompt, GenerateConfig(24)).stats["accepted_tokens"] == first.stats["accepted_tokens"]
+
+
+def test_evicting_a_sequence_that_repeats_an_ngram():
+    index = SuffixIndex(max_tokens=12)
+    index.add([1, 2, 3, 1, 2, 4, 1, 2, 5])  # (1, 2) three times in one sequence
+    index.add([7, 8, 9, 10, 11, 12])  # evicts the first
+    assert len(index) == 1 and (1, 2) not in index._index
+    assert index.continuation([0, 1, 2], 3) == ([], 0)

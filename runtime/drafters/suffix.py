@@ -75,8 +75,7 @@ class SuffixIndex:
         tokens = self.docs.pop(doc)
         self.n_tokens -= len(tokens)
         self._digests.pop(self._digest(tokens), None)
-        for start in range(self.key_len, len(tokens)):
-            key = tuple(tokens[start - self.key_len : start])
+        for key in {tuple(tokens[start - self.key_len : start]) for start in range(self.key_len, len(tokens))}:
             hits = [hit for hit in self._index[key] if hit[0] != doc]
             if hits:
                 self._index[key] = hits
