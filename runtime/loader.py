@@ -21,7 +21,7 @@ from runtime.drafters.draft_model import DraftModelDrafter
 from runtime.drafters.layer_skip import LayerSkipDrafter
 from runtime.drafters.mixed import MixedDrafter
 from runtime.drafters.prompt_lookup import PromptLookupDrafter
-from runtime.drafters.suffix import SuffixDrafter, SuffixIndex
+from runtime.drafters.suffix import SuffixDrafter, SuffixIndex, SuffixSettings
 from runtime.kv_cache import KVCache
 from runtime.model import ModelRunner
 from runtime.sessions import NO_CPU_FALLBACK, ProviderChoice, SessionConfig, kv_device, open_session, resolve_provider
@@ -164,11 +164,11 @@ class Loader:
         if kind == "lookup":
             return PromptLookupDrafter()
         if kind == "suffix":
-            return SuffixDrafter(SuffixIndex(self.config.suffix_cache_tokens))
+            return SuffixDrafter(SuffixIndex(SuffixSettings(max_tokens=self.config.suffix_cache_tokens)))
         if kind == "auto":
             return MixedDrafter(PromptLookupDrafter(), self._model_drafter("auto", runner or self.runner))
         if kind == "auto+suffix":
-            return MixedDrafter(SuffixDrafter(SuffixIndex(self.config.suffix_cache_tokens)), self._model_drafter("auto", runner or self.runner), kind)
+            return MixedDrafter(SuffixDrafter(SuffixIndex(SuffixSettings(max_tokens=self.config.suffix_cache_tokens))), self._model_drafter("auto", runner or self.runner), kind)
         return self._model_drafter(kind, runner or self.runner)
 
     def _model_drafter(self, kind: str, runner: Callable[..., ModelRunner]) -> Drafter | None:

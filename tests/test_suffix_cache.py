@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from runtime.drafters.prompt_lookup import PromptLookupDrafter
-from runtime.drafters.suffix import SuffixDrafter, SuffixIndex
+from runtime.drafters.suffix import SuffixDrafter, SuffixIndex, SuffixSettings
 
 
 def test_longest_match_wins_over_more_frequent_shorter_ones():
@@ -17,7 +17,7 @@ def test_longest_match_wins_over_more_frequent_shorter_ones():
 
 
 def test_most_frequent_continuation_of_equal_matches_until_they_disagree():
-    index = SuffixIndex(min_support=0.5)
+    index = SuffixIndex(SuffixSettings(min_support=0.5))
     index.add([1, 2, 10, 11, 12, 13])
     index.add([3, 2, 10, 11, 12, 14])
     index.add([4, 2, 10, 11, 99, 98])
@@ -27,7 +27,7 @@ def test_most_frequent_continuation_of_equal_matches_until_they_disagree():
 
 
 def test_draft_length_grows_with_match_length():
-    index = SuffixIndex(tokens_per_match=1.0)
+    index = SuffixIndex(SuffixSettings(tokens_per_match=1.0))
     index.add(list(range(100)))
     assert index.continuation([0, 5, 6], 50) == ([7, 8], 2)
     drafted, matched = index.continuation(list(range(10, 20)), 50)
@@ -42,7 +42,7 @@ def test_the_current_sequence_is_searched_too():
 
 
 def test_memory_is_bounded_and_the_oldest_goes_first():
-    index = SuffixIndex(max_tokens=100, min_support=0.1)
+    index = SuffixIndex(SuffixSettings(max_tokens=100, min_support=0.1))
     for i in range(30):
         index.add([1000 + i, 5, 6, 2000 + i, 7, 8, 9, 10, 11, 12])
     assert index.n_tokens <= 100 and len(index) == 10
@@ -74,9 +74,9 @@ def test_drafter_copies_across_requests_where_prompt_lookup_finds_nothing():
 
 def test_settings_are_checked():
     with pytest.raises(ValueError, match="max_tokens=0"):
-        SuffixIndex(max_tokens=0)
-    with pytest.raises(ValueError, match="min_support"):
-        SuffixIndex(min_support=0.0)
+        SuffixSettings(max_tokens=0)
+    with pytest.raises(ValueError, match="min_support=0.0"):
+        SuffixSettings(min_support=0.0)
 
 
 def test_a_sequence_enters_the_index_when_the_next_starts_and_forget_drops_all():
@@ -108,7 +108,7 @@ def test_an_engine_copies_from_an_earlier_request_until_it_forgets(llama_bundle)
 
 
 def test_evicting_a_sequence_that_repeats_an_ngram():
-    index = SuffixIndex(max_tokens=12)
+    index = SuffixIndex(SuffixSettings(max_tokens=12))
     index.add([1, 2, 3, 1, 2, 4, 1, 2, 5])  # (1, 2) three times in one sequence
     index.add([7, 8, 9, 10, 11, 12])  # evicts the first
     assert len(index) == 1 and (1, 2) not in index._index

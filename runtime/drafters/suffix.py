@@ -10,11 +10,28 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter, OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 
 from runtime.drafters.base import Remembers
 from runtime.drafters.prompt_lookup import PromptLookupDrafter
+
+
+@dataclass(frozen=True)
+class SuffixSettings:
+    max_tokens: int = 1 << 16  # tokens kept, over all sequences
+    key_len: int = 2  # the n-gram that finds candidate matches (prompt lookup's shortest)
+    max_hits: int = 64  # most recent candidates looked at per lookup
+    max_match: int = 32  # tokens a match is extended back at most
+    min_support: float = 0.3  # share of the longest matches that must agree on each drafted token
+    # A longer match earns a longer draft (at the shortest match as many as prompt lookup drafts).
+    tokens_per_match: float = 4.0
+
+    def __post_init__(self):
+        if (self.max_tokens < 1 or self.key_len < 1 or self.max_hits < 1 or self.max_match < self.key_len
+                or not 0.0 < self.min_support <= 1.0 or self.tokens_per_match <= 0):
+            raise ValueError(f"bad suffix index settings: {self}")
 
 
 class SuffixIndex:
@@ -23,19 +40,8 @@ class SuffixIndex:
     continuations while enough of them agree. Holds at most max_tokens tokens: the oldest
     sequence is evicted first."""
 
-    def __init__(self, max_tokens: int = 1 << 16, key_len: int = 2, max_hits: int = 64, max_match: int = 32,
-                 min_support: float = 0.3, tokens_per_match: float = 4.0):
-        if (max_tokens < 1 or key_len < 1 or max_hits < 1 or max_match < key_len or not 0.0 < min_support <= 1.0
-                or tokens_per_match <= 0):
-            raise ValueError(f"bad suffix index settings: max_tokens={max_tokens}, key_len={key_len}, max_hits={max_hits}, "
-                             f"max_match={max_match}, min_support={min_support}, tokens_per_match={tokens_per_match}")
-        self.max_tokens = max_tokens
-        self.key_len = key_len
-        self.max_hits = max_hits
-        self.max_match = max_match
-        self.min_support = min_support
-        # A longer match earns a longer draft (at the shortest match as many as prompt lookup drafts).
-        self.tokens_per_match = tokens_per_match
+    def __init__(self, settings: SuffixSettings = SuffixSettings()):
+        self.settings = settings
         self.docs: OrderedDict[int, list[int]] = OrderedDict()
         self._digests: dict[bytes, int] = {}
         self._index: dict[tuple[int, ...], list[tuple[int, int]]] = {}  # key -> (doc, start of continuation), oldest first
@@ -48,8 +54,8 @@ class SuffixIndex:
     def add(self, tokens) -> None:
         """Keep a finished sequence. One that extends a kept sequence (the next turn of a chat)
         replaces it, and an exact repeat only refreshes its age, so a conversation is held once."""
-        tokens = [int(t) for t in tokens][-self.max_tokens :]
-        if len(tokens) <= self.key_len:
+        tokens = [int(t) for t in tokens][-self.settings.max_tokens :]
+        if len(tokens) <= self.settings.key_len:
             return
         digest = self._digest(tokens)
         if digest in self._digests:
@@ -63,9 +69,9 @@ class SuffixIndex:
         self.docs[doc] = tokens
         self._digests[digest] = doc
         self.n_tokens += len(tokens)
-        for start in range(self.key_len, len(tokens)):
-            self._index.setdefault(tuple(tokens[start - self.key_len : start]), []).append((doc, start))
-        while self.n_tokens > self.max_tokens:
+        for start in range(self.settings.key_len, len(tokens)):
+            self._index.setdefault(tuple(tokens[start - self.settings.key_len : start]), []).append((doc, start))
+        while self.n_tokens > self.settings.max_tokens:
             self._remove(next(iter(self.docs)))
 
     def _digest(self, tokens: list[int]) -> bytes:
@@ -75,7 +81,7 @@ class SuffixIndex:
         tokens = self.docs.pop(doc)
         self.n_tokens -= len(tokens)
         self._digests.pop(self._digest(tokens), None)
-        for key in {tuple(tokens[start - self.key_len : start]) for start in range(self.key_len, len(tokens))}:
+        for key in {tuple(tokens[start - self.settings.key_len : start]) for start in range(self.settings.key_len, len(tokens))}:
             hits = [hit for hit in self._index[key] if hit[0] != doc]
             if hits:
                 self._index[key] = hits
@@ -87,34 +93,34 @@ class SuffixIndex:
         match). `live`: the current sequence, searched too (as prompt lookup does) except for
         its own final suffix."""
         context = np.asarray(context, dtype=np.int64)
-        if limit < 1 or len(context) < self.key_len:
+        if limit < 1 or len(context) < self.settings.key_len:
             return [], 0
-        key = tuple(int(t) for t in context[-self.key_len :])
-        sources = [(self.docs[doc], start) for doc, start in self._index.get(key, ())[-self.max_hits :]]
+        key = tuple(int(t) for t in context[-self.settings.key_len :])
+        sources = [(self.docs[doc], start) for doc, start in self._index.get(key, ())[-self.settings.max_hits :]]
         if live is not None:
             live = np.asarray(live, dtype=np.int64)
-            n = self.key_len
+            n = self.settings.key_len
             if len(live) > n:
                 windows = np.lib.stride_tricks.sliding_window_view(live[: len(live) - 1], n)
                 starts = np.flatnonzero((windows == context[-n:]).all(axis=1)) + n
                 live_list = live.tolist()
-                sources += [(live_list, int(s)) for s in starts[-self.max_hits :]]
+                sources += [(live_list, int(s)) for s in starts[-self.settings.max_hits :]]
         if not sources:
             return [], 0
-        tail = context[-self.max_match :][::-1].tolist()  # newest first
+        tail = context[-self.settings.max_match :][::-1].tolist()  # newest first
         lengths = [self._match_length(seq, start, tail) for seq, start in sources]
         best = max(lengths)
         # Most recent first: on equal counts the latest text wins, as in prompt lookup.
         runs = [(seq, start) for (seq, start), n in zip(reversed(sources), reversed(lengths)) if n == best]
         out: list[int] = []
         n_runs = len(runs)
-        for depth in range(min(limit, int(np.ceil(self.tokens_per_match * best)))):
+        for depth in range(min(limit, int(np.ceil(self.settings.tokens_per_match * best)))):
             counts = Counter(seq[start + depth] for seq, start in runs if start + depth < len(seq))
             if not counts:
                 break
             token, count = max(counts.items(), key=lambda item: item[1])  # max keeps the first (latest) on ties
             # count / n_runs estimates how often the whole continuation so far came next.
-            if count < self.min_support * n_runs:
+            if count < self.settings.min_support * n_runs:
                 break
             out.append(token)
             runs = [(seq, start) for seq, start in runs if start + depth < len(seq) and seq[start + depth] == token]
@@ -134,7 +140,7 @@ class SuffixDrafter(PromptLookupDrafter, Remembers):
     name = "suffix"
 
     def __init__(self, index: SuffixIndex):
-        super().__init__(min_ngram=index.key_len)
+        super().__init__(min_ngram=index.settings.key_len)
         self.index = index
         self._seen: np.ndarray | None = None  # the committed tokens of the sequence under way
 
@@ -148,8 +154,7 @@ class SuffixDrafter(PromptLookupDrafter, Remembers):
 
     def forget(self):
         self._seen = None
-        self.index = SuffixIndex(self.index.max_tokens, self.index.key_len, self.index.max_hits, self.index.max_match,
-                                 self.index.min_support, self.index.tokens_per_match)
+        self.index = SuffixIndex(self.index.settings)
 
     def find(self, tokens, gamma):
         tokens = np.asarray(tokens, dtype=np.int64)
