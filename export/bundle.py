@@ -22,8 +22,8 @@ from edge_spec.placement import check_bundle
 from edge_spec.profiles import PROFILES, DeviceProfile
 from export.archs import arch_for, check_context
 from export.onnx_graphs import finish_stage, trace_stage
-from export.quantize import quantize_file, save
-from export.sources import Checkpoint, load_checkpoint, load_config, load_tokenizer
+from export.quantize import quantize_stage
+from export.sources import Checkpoint, load_config, load_tokenizer, open_checkpoint
 from export.vocab_trim import DEFAULT_SOURCES, SUGGESTED_DRAFT_VOCAB
 
 LAYER_SKIP_PREFIX = "layer-skip:"
@@ -47,8 +47,11 @@ class ExportConfig:
     device: str = "cpu"  # edge_spec.profiles.DEVICES: the provider the graphs are built for
     draft_vocab: int | None = None  # the draft model's LM head keeps this many rows (export.vocab_trim); None: all
     draft_vocab_from: tuple[str, ...] = DEFAULT_SOURCES  # the text its token frequencies are counted on
+    trace_layers: int | None = None  # layers traced at once (then stitched); None: as many as TRACE_BYTES of fp32 weights
 
     def __post_init__(self):
+        if self.trace_layers is not None and (isinstance(self.trace_layers, bool) or not isinstance(self.trace_layers, int) or self.trace_layers <= 0):
+            raise ExportError(f"trace_layers {self.trace_layers!r}: give a positive number of layers, or None")
         if self.draft_vocab is not None:
             if isinstance(self.draft_vocab, bool) or not isinstance(self.draft_vocab, int) or self.draft_vocab <= 0:
                 raise ExportError(f"--draft-vocab {self.draft_vocab!r}: give a positive number of tokens (suggested {SUGGESTED_DRAFT_VOCAB})")
@@ -152,36 +155,86 @@ def _arch_info(model, max_context: int, vocab_rows: int, kv_dtype: str = "float3
     )
 
 
+TRACE_BYTES = 1 << 29  # fp32 layer weights traced at once: torch holds a traced graph about three times over
+
+
+def _module_paths(layers: range, embed: bool, head: bool) -> list[str]:
+    """The checkpoint modules a stage over `layers` reads its weights from."""
+    return [*(["model.embed_tokens"] if embed else []), *(f"model.layers.{i}" for i in layers), *(["model.norm", "lm_head"] if head else [])]
+
+
+def _module(model, path: str):
+    for part in path.split("."):
+        model = model[int(part)] if part.isdigit() else getattr(model, part)
+    return model
+
+
+def _trace_parts(model, layers: range, embed: bool, head: bool, per_part: int | None) -> list[tuple[range, bool, bool]]:
+    """The stage cut into consecutive parts, traced one at a time and stitched: the embedding
+    alone, then `per_part` layers a part or (None) as many as keep a part's fp32 weights under
+    TRACE_BYTES, then the final norm and head alone (the tables are the largest tensors)."""
+    if not layers:
+        return [(layers, embed, head)]
+    cuts, start, total = [], layers.start, 0
+    for i in layers:
+        size = 4 * sum(p.numel() for p in model.model.layers[i].parameters())
+        count = i - start
+        if count and ((per_part and count >= per_part) or (not per_part and total + size > TRACE_BYTES)):
+            cuts.append(range(start, i))
+            start, total = i, 0
+        total += size
+    cuts.append(range(start, layers.stop))
+    parts = [(part, False, False) for part in cuts]
+    if embed:
+        parts.insert(0, (range(layers.start, layers.start), True, False))
+    if head:
+        parts.append((range(layers.stop, layers.stop), False, True))
+    return parts
+
+
 def _trace_stage(
     checkpoint: Checkpoint, key: str, layers: range, embed: bool, head: bool, config: ExportConfig, tmp: Path, scratch: Path, vocab_rows: int,
     progress: Progress, packages: dict[str, mf.CoreMLPackageInfo], head_tokens=None,
-) -> tuple[mf.StageInfo, Path | None]:
-    """Trace one stage to an fp32 graph in `scratch` (weights as external data); returns its
-    manifest entry and the traced file, which _quantize_stage turns into the bundle's file once
-    the torch model is gone."""
+) -> tuple[mf.StageInfo, list[Path] | None]:
+    """Trace one stage to fp32 graphs in `scratch`, part by part (_trace_parts), each part's
+    weights read from the checkpoint only while it is traced; returns its manifest entry and the
+    traced parts, which _quantize_stage stitches and writes as the bundle's file."""
     from export.static_cache import StageModule
 
     model = checkpoint.model
     float16 = config.profile.activations == "float16"
-    stage = StageModule(model, layers.start, layers.stop, embed, head, vocab_rows, config.attention, config.max_context, fused_norm=float16, head_tokens=head_tokens)
+
+    def stage_module(part: range, part_embed: bool, part_head: bool) -> StageModule:
+        return StageModule(model, part.start, part.stop, part_embed, part_head, vocab_rows, config.attention, config.max_context, fused_norm=float16, head_tokens=head_tokens)
+
     span = f"layers {layers.start}..{layers.stop - 1}" if layers else "no layers"
     if "coreml" in config.formats:
         from export.coreml import write_package
 
         progress(f"{key}: converting {span} to a Core ML package ({config.quant} weights, fp16)")
-        packages[key] = write_package(stage, key, layers, config.max_context, config.quant, tmp, model.config.hidden_size)
+        with checkpoint.loaded(_module_paths(layers, embed, head)):
+            packages[key] = write_package(stage_module(layers, embed, head), key, layers, config.max_context, config.quant, tmp, model.config.hidden_size)
     if "onnx" not in config.formats:
         # No ONNX graph (file ""): the entry still describes the stage; its Core ML package runs it
         # and, like a portable graph, returns the block's new KV rows.
         inputs, outputs = tuple(names.stage_inputs(embed, head, layers, "portable")), tuple(names.stage_outputs(head, layers, "portable"))
         return mf.StageInfo("", (), embed, head, layers.start, layers.stop, inputs, outputs, attention="portable"), None
-    progress(f"{key}: tracing {span}{' + embedding' if embed else ''}{' + head' if head else ''}")
     file = f"{key}.onnx"
-    traced = scratch / key / file  # a folder each: past 2 GB torch writes one file per tensor beside it
-    traced.parent.mkdir()
-    trace_stage(stage, layers, config.max_context, model.config.hidden_size, traced)
-    del stage
-    gc.collect()
+    parts = _trace_parts(model, layers, embed, head, config.trace_layers)
+    traced = []
+    for index, (part, part_embed, part_head) in enumerate(parts):
+        part_span = f"layers {part.start}..{part.stop - 1}" if part else "no layers"
+        progress(f"{key}: tracing {part_span}{' + embedding' if part_embed else ''}{' + head' if part_head else ''} (part {index + 1} of {len(parts)})")
+        path = scratch / key / f"part{index}" / file  # a folder each: past 2 GB torch writes one file per tensor beside it
+        path.parent.mkdir(parents=True)
+        with checkpoint.loaded(_module_paths(part, part_embed, part_head)):
+            stage = stage_module(part, part_embed, part_head)
+        # Traced outside the block: what the stage copied (the transposed head) need not sit beside its source.
+        trace_stage(stage, part, config.max_context, model.config.hidden_size, path)
+        del stage
+        gc.collect()
+        traced.append(path)
+        progress.advance(4 * sum(p.numel() for m in _module_paths(part, part_embed, part_head) for p in _module(model, m).parameters()))
     info = mf.StageInfo(
         file=file,
         data_files=(),
@@ -196,22 +249,17 @@ def _trace_stage(
     return info, traced
 
 
-def _quantize_stage(key: str, info: mf.StageInfo, traced: Path | None, config: ExportConfig, tmp: Path, progress: Progress) -> mf.StageInfo:
-    """Merge the traced graph's projections and quantize it into the bundle (torch model gone)."""
+def _quantize_stage(key: str, info: mf.StageInfo, traced: list[Path] | None, config: ExportConfig, tmp: Path, progress: Progress) -> mf.StageInfo:
+    """Stitch the traced parts, merge the projections and quantize into the bundle, weight by weight."""
     if traced is None:
         return info
-    progress(f"{key}: merging parallel projections")
-    graph = finish_stage(traced, list(info.inputs))
-    shutil.rmtree(traced.parent)  # torch's files: the graph is in memory now
-    merged = traced.parent.with_name(key + ".merged") / info.file
-    merged.parent.mkdir()
-    save(graph, merged)
-    del graph
-    gc.collect()
+    progress(f"{key}: {'stitching ' + str(len(traced)) + ' parts, ' if len(traced) > 1 else ''}merging parallel projections")
+    graph, weights = finish_stage(traced, list(info.inputs), list(info.outputs))
     float16 = config.profile.activations == "float16"
     progress(f"{key}: quantizing to {config.quant}{', float16 activations' if float16 else ''}")
-    quantize_file(merged, tmp / info.file, config.quant, config.profile.activations, config.profile.quantized_embedding)
-    shutil.rmtree(merged.parent, ignore_errors=True)  # the scratch copy is as large as the fp32 model
+    quantize_stage(graph, weights, tmp / info.file, config.quant, config.profile.activations, config.profile.quantized_embedding)
+    del graph, weights
+    shutil.rmtree(traced[0].parent.parent)  # the parts' files, as large as the fp32 model
     data = info.file + ".data"
     return dataclasses.replace(info, data_files=(data,) if (tmp / data).exists() else ())
 
@@ -288,13 +336,13 @@ def export_bundles(configs: list[ExportConfig], log: Callable[[str], None] = _lo
 
     def load(spec: str) -> Checkpoint:
         if spec not in loaded:
-            loaded[spec] = load_checkpoint(spec)
+            loaded[spec] = open_checkpoint(spec)
         return loaded[spec]
 
     return [export_bundle(config, log, load) for config in configs]
 
 
-def export_bundle(config: ExportConfig, log: Callable[[str], None] = _log_stderr, load: Callable[[str], Checkpoint] = load_checkpoint) -> mf.Manifest:
+def export_bundle(config: ExportConfig, log: Callable[[str], None] = _log_stderr, load: Callable[[str], Checkpoint] = open_checkpoint) -> mf.Manifest:
     if config.quant not in mf.QUANTS:
         raise ExportError(f"unknown quantization {config.quant!r}; choose one of {', '.join(mf.QUANTS)}")
     if config.attention not in names.ATTENTION_KINDS:
@@ -386,13 +434,12 @@ def _export_into(config: ExportConfig, tmp: Path, layer_skips, model_drafts, pro
         except TrimError as exc:
             raise ExportError(str(exc)) from None
 
-    # Each role costs about its fp32 size three times over: load, trace, quantize.
+    # Each role costs about its fp32 size twice over: tracing (counted part by part) and writing.
     costs = {"target": _fp32_bytes(target_config), "draft": _fp32_bytes(draft_config) if draft_config is not None else 0}
-    progress.plan(3 * sum(costs.values()))
+    progress.plan(2 * sum(costs.values()))
     # One role at a time: the target is loaded, traced, freed and quantized before the draft loads.
     progress(f"loading {config.model}")
     target = load(config.model)
-    progress.advance(costs["target"])
     arch_for(target.model.config)
     if target.model.lm_head.weight.shape[0] != target_rows:
         raise ExportError(f"{config.model!r}: LM head has {target.model.lm_head.weight.shape[0]} rows, its config says {target_rows}")
@@ -421,7 +468,6 @@ def _export_into(config: ExportConfig, tmp: Path, layer_skips, model_drafts, pro
         models["target"] = mf.ModelInfo(target.source.description, target_arch, config.quant, ("target",))
     with tempfile.TemporaryDirectory(dir=tmp) as scratch:
         traced = {key: _trace_stage(target, key, layers, embed, head, config, tmp, Path(scratch), vocab_rows, progress, packages) for key, layers, embed, head in plan}
-        progress.advance(costs["target"])
         del target  # the torch weights go before quantizing (the caller's cache may still hold them)
         gc.collect()
         progress(f"target written as fp32 graphs; peak memory so far {peak_rss_bytes() / 2**30:.1f} GiB")
@@ -431,7 +477,6 @@ def _export_into(config: ExportConfig, tmp: Path, layer_skips, model_drafts, pro
         if model_drafts:
             progress(f"loading draft {model_drafts[0]}")
             draft = load(model_drafts[0])
-            progress.advance(costs["draft"])
             if draft.model.lm_head.weight.shape[0] != draft_config.vocab_size:
                 raise ExportError(f"draft {model_drafts[0]!r}: LM head has {draft.model.lm_head.weight.shape[0]} rows, its config says {draft_config.vocab_size}")
             draft_layers = draft.model.config.num_hidden_layers
@@ -440,7 +485,6 @@ def _export_into(config: ExportConfig, tmp: Path, layer_skips, model_drafts, pro
             source = draft.source.description
             del draft
             gc.collect()
-            progress.advance(costs["draft"])
             stages["draft"] = _quantize_stage("draft", info, path, config, tmp, progress)
             progress.advance(costs["draft"])
             trimmed = None

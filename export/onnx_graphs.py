@@ -3,7 +3,6 @@ projections that read the same activation (q/k/v, gate/up) into one MatMul each.
 
 from __future__ import annotations
 
-import tempfile
 import warnings
 from collections import defaultdict
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
+from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 import torch
 from torch import nn
 
@@ -113,43 +113,146 @@ def trace_stage(stage: StageModule, layers: range, max_context: int, hidden_size
             )
 
 
-def finish_stage(path: Path, input_names: list[str]) -> onnx.ModelProto:
-    """The traced file at `path` as a stage graph: inputs checked against the contract, parallel
-    projections merged (weights inline, possibly > 2 GB: save with external data)."""
-    model = onnx.load(str(path), load_external_data=True)
-    got_inputs = [i.name for i in model.graph.input]
-    if got_inputs != input_names:
-        raise RuntimeError(f"exported graph inputs {got_inputs} differ from the contract {input_names}")
-    merge_parallel_matmuls(model)
+class StageWeights:
+    """The initializers of a graph loaded without its external data, read one at a time when
+    asked: a stage's weights are gigabytes, and holding them all while rewriting the graph is
+    what set the export's peak. A merged weight is the concatenation of its sources, read then."""
+
+    def __init__(self, folder: Path | None):
+        self.folder = folder
+        self.merged: dict[str, tuple[list[onnx.TensorProto], int]] = {}  # name -> (sources, axis)
+
+    def array(self, tensor: onnx.TensorProto) -> np.ndarray:
+        if tensor.name in self.merged:
+            sources, axis = self.merged[tensor.name]
+            return np.concatenate([self.array(t) for t in sources], axis=axis)
+        if not uses_external_data(tensor):
+            return numpy_helper.to_array(tensor)
+        info = ExternalDataInfo(tensor)
+        dtype = helper.tensor_dtype_to_np_dtype(tensor.data_type)
+        count = int(np.prod(tensor.dims, dtype=np.int64))
+        with open(self.folder / info.location, "rb") as f:
+            f.seek(info.offset or 0)
+            data = np.fromfile(f, dtype=dtype, count=count)
+        if data.size != count:
+            raise RuntimeError(f"{tensor.name}: {info.location} holds {data.size} of its {count} values")
+        return data.reshape(tuple(tensor.dims))
+
+    def tensor(self, tensor: onnx.TensorProto) -> onnx.TensorProto:
+        """The initializer with its data inline."""
+        return numpy_helper.from_array(self.array(tensor), tensor.name)
+
+
+def _external_part(path: Path) -> onnx.ModelProto:
+    """The traced part at `path` with every tensor over 1 KiB in a data file beside it (torch
+    writes a graph under 2 GB inline), loaded without those bytes."""
+    from onnx.external_data_helper import convert_model_to_external_data
+
+    model = onnx.load(str(path), load_external_data=False)
+    if any(t.HasField("raw_data") and len(t.raw_data) >= 1024 for t in model.graph.initializer):
+        convert_model_to_external_data(model, all_tensors_to_one_file=True, location=path.name + ".data", size_threshold=1024)
+        onnx.save_model(model, str(path))
+        model = onnx.load(str(path), load_external_data=False)
     return model
 
 
-def export_stage(stage: StageModule, layers: range, max_context: int, hidden_size: int) -> onnx.ModelProto:
-    """Trace and finish one stage in one go (the torch model and the graph both in memory)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "stage.onnx"
-        trace_stage(stage, layers, max_context, hidden_size, path)
-        return finish_stage(path, names.stage_inputs(stage.embed, stage.head, layers, stage.attention))
+def stitch_parts(paths: list[Path], input_names: list[str], output_names: list[str]) -> tuple[onnx.ModelProto, StageWeights]:
+    """One stage graph from the parts traced in order (each in its own folder under one
+    parent): part i's hidden_out feeds part i+1's hidden_in; every other name but the
+    contract's inputs and outputs gets the part's prefix. A small constant that several parts
+    carry (the rotary tables) is kept once. No bytes are read but those of small constants."""
+    folder = paths[0].parent.parent
+    weights = StageWeights(folder)
+    contract = set(input_names) | set(output_names)
+    nodes: list[onnx.NodeProto] = []
+    initializers: list[onnx.TensorProto] = []
+    inputs: dict[str, onnx.ValueInfoProto] = {}
+    outputs: dict[str, onnx.ValueInfoProto] = {}
+    shared: dict[tuple, str] = {}  # (unprefixed name, dims, bytes) of a small constant -> its name
+    last = len(paths) - 1
+    first = None
+    for index, path in enumerate(paths):
+        part = _external_part(path)
+        first = part if first is None else first
+        prefix = f"{path.parent.name}/"
+        renames: dict[str, str] = {}
+
+        def rename(name: str) -> str:
+            if name == "":
+                return name
+            if name == names.HIDDEN_IN and index > 0:
+                return f"{paths[index - 1].parent.name}/{names.HIDDEN_OUT}"
+            if name == names.HIDDEN_OUT and index < last:
+                return prefix + name
+            if name in contract:
+                return name
+            return renames.get(name, prefix + name)
+
+        for tensor in part.graph.initializer:
+            entry = next((e for e in tensor.external_data if e.key == "location"), None)
+            if entry is not None:
+                entry.value = prefix + entry.value
+            if int(np.prod(tensor.dims, dtype=np.int64)) * 4 <= 1 << 24:
+                array = weights.array(tensor)
+                key = (tensor.name, tuple(tensor.dims), tensor.data_type, array.tobytes())
+                if key in shared:
+                    renames[tensor.name] = shared[key]
+                    continue
+                shared[key] = prefix + tensor.name
+            tensor.name = prefix + tensor.name
+            initializers.append(tensor)
+        for node in part.graph.node:
+            if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+                raise RuntimeError(f"{path}: node {node.name} has a subgraph, which stitching does not rename")
+            node.input[:] = [rename(n) for n in node.input]
+            node.output[:] = [rename(n) for n in node.output]
+            node.name = prefix + node.name
+            nodes.append(node)
+        for value in part.graph.input:
+            if rename(value.name) in contract:
+                inputs.setdefault(value.name, value)
+        for value in part.graph.output:
+            if rename(value.name) in contract:
+                outputs[value.name] = value
+    missing = [n for n in (*input_names, *output_names) if n not in inputs and n not in outputs]
+    if missing:
+        raise RuntimeError(f"stitched parts lack the contract's {missing}")
+    graph = helper.make_graph(nodes, first.graph.name, [inputs[n] for n in input_names], [outputs[n] for n in output_names], initializers)
+    model = helper.make_model(graph, opset_imports=list(first.opset_import), ir_version=first.ir_version, producer_name=first.producer_name)
+    return model, weights
 
 
-def merge_parallel_matmuls(model: onnx.ModelProto) -> int:
+def finish_stage(paths: list[Path], input_names: list[str], output_names: list[str]) -> tuple[onnx.ModelProto, StageWeights]:
+    """The traced parts as one stage graph: inputs checked against the contract, parallel
+    projections merged. The graph comes without its weights' bytes; they stay in the parts'
+    files and the returned StageWeights reads them (export/quantize.py writes the stage)."""
+    model, weights = stitch_parts(paths, input_names, output_names)
+    got_inputs = [i.name for i in model.graph.input]
+    if got_inputs != input_names:
+        raise RuntimeError(f"exported graph inputs {got_inputs} differ from the contract {input_names}")
+    merge_parallel_matmuls(model, weights)
+    return model, weights
+
+
+def merge_parallel_matmuls(model: onnx.ModelProto, weights: StageWeights) -> int:
     """Rewrite, in place, each set of MatMuls that multiply the same activation by constant
     [K, N_i] weights into one MatMul by the concatenated [K, sum N_i] weight and a Split whose
-    outputs keep the original names. Returns how many MatMuls were merged away.
+    outputs keep the original names. The merged weight is registered with `weights` (read when
+    written, from its sources) and carries no bytes itself. Returns how many MatMuls were merged away.
 
     Why: a decode pass streams every weight once, and one larger kernel call (q/k/v: 3 -> 1,
     gate/up: 2 -> 1 per layer) costs less than several small ones. Block quantization runs
     along K per output column, so the quantized weights are the same numbers either way.
     """
     graph = model.graph
-    weights = {t.name: t for t in graph.initializer}
+    initializers = {t.name: t for t in graph.initializer}
     uses: dict[str, int] = defaultdict(int)
     for node in graph.node:
         for name in node.input:
             uses[name] += 1
     groups: dict[str, list[int]] = defaultdict(list)  # activation -> indices of its MatMuls
     for index, node in enumerate(graph.node):
-        weight = weights.get(node.input[1]) if node.op_type == "MatMul" else None
+        weight = initializers.get(node.input[1]) if node.op_type == "MatMul" else None
         # A weight shared with another node (tied) must stay whole where it is.
         if weight is not None and len(weight.dims) == 2 and uses[weight.name] == 1:
             groups[node.input[0]].append(index)
@@ -160,15 +263,13 @@ def merge_parallel_matmuls(model: onnx.ModelProto) -> int:
         if len(members) < 2:
             continue
         nodes = [graph.node[i] for i in members]
-        arrays = [numpy_helper.to_array(weights[n.input[1]]) for n in nodes]  # each [K, N_i]
-        if len({(a.shape[0], a.dtype) for a in arrays}) != 1:
+        sources = [initializers[n.input[1]] for n in nodes]  # each [K, N_i]
+        if len({(t.dims[0], t.data_type) for t in sources}) != 1:
             continue
         stem = nodes[0].output[0] + ".merged"
-        merged = numpy_helper.from_array(np.concatenate(arrays, axis=1), stem + ".weight")  # [K, sum N_i]
-        sizes = numpy_helper.from_array(np.array([a.shape[1] for a in arrays], dtype=np.int64), stem + ".sizes")
-        del arrays
-        for n in nodes:  # the sources' bytes go now, not after the last group: one copy at a time
-            weights[n.input[1]].ClearField("raw_data")
+        merged = onnx.TensorProto(name=stem + ".weight", data_type=sources[0].data_type, dims=[sources[0].dims[0], sum(t.dims[1] for t in sources)])
+        weights.merged[merged.name] = ([onnx.TensorProto.FromString(t.SerializeToString()) for t in sources], 1)
+        sizes = numpy_helper.from_array(np.array([t.dims[1] for t in sources], dtype=np.int64), stem + ".sizes")
         graph.initializer.extend([merged, sizes])
         replaced[members[0]] = [
             helper.make_node("MatMul", [x, merged.name], [stem], name=stem),
@@ -188,7 +289,8 @@ def merge_parallel_matmuls(model: onnx.ModelProto) -> int:
             rewritten.append(onnx.NodeProto.FromString(node.SerializeToString()))
     del graph.node[:]
     graph.node.extend(rewritten)
-    # Deleted one by one, in place: copying the kept initializers would double a stage's memory.
+    # Deleted one by one, in place: a graph under 2 GB holds its weights inline, and copying the
+    # kept initializers would double a stage's memory.
     for index in reversed(range(len(graph.initializer))):
         if graph.initializer[index].name in dropped_weights:
             del graph.initializer[index]

@@ -35,23 +35,101 @@ def save(model: onnx.ModelProto, path: Path) -> None:
     """One graph file plus one external-data file named after it. Tensors under 1 KiB (shape
     arguments such as a Split's sizes) stay inline: ONNX Runtime's shape inference reads them
     from the graph file and cannot follow them into the data file."""
-    onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True, location=path.name + ".data", size_threshold=1024)
+    onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True, location=path.name + ".data", size_threshold=INLINE_BYTES)
 
 
-def _block_quantize(model: onnx.ModelProto | str, bits: int, op_types: tuple[str, ...]) -> onnx.ModelProto:
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+INLINE_BYTES = 1024
+ALIGN = 4096  # page-aligned offsets, so ONNX Runtime can map the data file
 
-    quantizer = MatMulNBitsQuantizer(
-        model,
-        bits=bits,
+
+class DataWriter:
+    """Appends tensors to `path`.data as they are made, leaving in the graph only a reference:
+    what save() writes, one tensor in memory at a time."""
+
+    def __init__(self, path: Path):
+        self.location = path.name + ".data"
+        self.file = open(path.with_name(self.location), "wb")
+
+    def add(self, tensor: onnx.TensorProto) -> onnx.TensorProto:
+        """A new, small message: a protobuf message keeps the bytes of the message it came from
+        (its arena) alive for as long as any part of it is referenced, cleared fields included."""
+        if not tensor.HasField("raw_data") or len(tensor.raw_data) < INLINE_BYTES:
+            return onnx.TensorProto.FromString(tensor.SerializeToString())
+        offset = -self.file.tell() % ALIGN + self.file.tell()
+        self.file.seek(offset)
+        self.file.write(tensor.raw_data)
+        ref = onnx.TensorProto(name=tensor.name, data_type=tensor.data_type, dims=list(tensor.dims), data_location=onnx.TensorProto.EXTERNAL)
+        for key, value in (("location", self.location), ("offset", str(offset)), ("length", str(len(tensor.raw_data)))):
+            entry = ref.external_data.add()
+            entry.key, entry.value = key, value
+        return ref
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _node_quantizer(bits: int):
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, DefaultWeightOnlyQuantizer
+
+    return DefaultWeightOnlyQuantizer(DefaultWeightOnlyQuantConfig(
         block_size=BLOCK_SIZE,
         is_symmetric=True,
         accuracy_level=ACCURACY_LEVEL,
-        op_types_to_quantize=op_types,
+        op_types_to_quantize=("MatMul", "Gather"),
         quant_axes=(("MatMul", 0), ("Gather", 1)),
-    )
-    quantizer.process()
-    return quantizer.model.model
+        bits=bits,
+    ))
+
+
+def write_stage(model: onnx.ModelProto, weights, dst: Path, matmul_bits: int | None, gather_bits: int | None) -> None:
+    """Write the stage graph `model` (its weights read from `weights`, an
+    export.onnx_graphs.StageWeights) to dst + dst.data, one initializer at a time: each MatMul by
+    a constant 2-D weight becomes MatMulNBits at `matmul_bits`, each Gather from a constant
+    table GatherBlockQuantized at `gather_bits` (None: left as is), through ONNX Runtime's own
+    per-node quantizer (what MatMulNBitsQuantizer runs over a whole graph in memory)."""
+    graph = model.graph
+    initializers = {t.name: t for t in graph.initializer}
+    quantizers = {op: _node_quantizer(bits) for op, bits in (("MatMul", matmul_bits), ("Gather", gather_bits)) if bits}
+    writer = DataWriter(dst)
+    made: list[onnx.TensorProto] = []
+    nodes: list[onnx.NodeProto] = []
+    try:
+        for node in graph.node:
+            weight = initializers.get(node.input[1] if node.op_type == "MatMul" else node.input[0]) if node.op_type in quantizers else None
+            if weight is None or weight.data_type != onnx.TensorProto.FLOAT or (node.op_type == "MatMul" and len(weight.dims) != 2):
+                nodes.append(node)
+                continue
+            scope = onnx.GraphProto(initializer=[weights.tensor(weight)])
+            nodes.extend(quantizers[node.op_type].quantize(node, [scope]))
+            made.extend(writer.add(t) for t in scope.initializer[1:])
+            del scope
+        used = {name for node in nodes for name in node.input} | {o.name for o in graph.output}
+        kept = [writer.add(weights.tensor(t)) for t in graph.initializer if t.name in used]
+    finally:
+        writer.close()
+    del graph.node[:]
+    graph.node.extend(nodes)
+    del graph.initializer[:]
+    graph.initializer.extend(kept + made)
+    if quantizers:
+        _set_opset(model, "com.microsoft", 1)
+    if gather_bits:
+        # Int4 tensors need opset 21 and IR version 10 (what the whole-graph quantizer sets too).
+        _set_opset(model, "", max(21, _opset(model, "")))
+        model.ir_version = max(model.ir_version, 10)
+    onnx.save_model(model, dst)
+
+
+def _opset(model: onnx.ModelProto, domain: str) -> int:
+    return next((o.version for o in model.opset_import if o.domain in (domain, "ai.onnx" if domain == "" else domain)), 0)
+
+
+def _set_opset(model: onnx.ModelProto, domain: str, version: int) -> None:
+    for opset in model.opset_import:
+        if opset.domain == domain:
+            opset.version = version
+            return
+    model.opset_import.append(onnx.helper.make_opsetid(domain, version))
 
 
 def to_float16(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -62,45 +140,39 @@ def to_float16(model: onnx.ModelProto) -> onnx.ModelProto:
     return convert_float_to_float16(model, keep_io_types=keep, disable_shape_infer=True)
 
 
-def quantize_file(src: Path, dst: Path, quant: str, activations: str = "float32", quantized_embedding: bool = True) -> None:
-    """Quantize the float32 graph at src (+ src.data, written by save) into dst (+ dst.data),
-    in the same folder: fp32 is a move. activations float16: then convert to float16.
-    quantized_embedding False: int4/int8 quantize the MatMuls only (a provider without
-    GatherBlockQuantized)."""
+def quantize_stage(model: onnx.ModelProto, weights, dst: Path, quant: str, activations: str = "float32", quantized_embedding: bool = True) -> None:
+    """Write the merged stage graph (export.onnx_graphs.finish_stage) into dst (+ dst.data) at
+    `quant`. int4/int8 and fp32 stream weight by weight. fp16 weights and float16 activations
+    convert a whole graph in memory: the fp32 one for fp16 weights, the already quantized (small)
+    one for int4/int8 with float16 activations. quantized_embedding False: int4/int8 quantize the
+    MatMuls only (a provider without GatherBlockQuantized)."""
     logging.getLogger("onnxruntime.quantization").setLevel(logging.ERROR)
-    if activations == "float16":
-        if quant == "fp16":
-            model = onnx.load(str(src), load_external_data=True)
-        elif quant in ("int4", "int8"):
-            model = _quantized(str(src), quant, quantized_embedding)
-        else:
-            raise ValueError(f"float16 activations need fp16, int8 or int4 weights, not {quant!r}")
-        save(to_float16(model), dst)
+    if quant not in ("int4", "int8", "fp16", "fp32"):
+        raise ValueError(f"unknown quantization {quant!r} (int4, int8, fp16, fp32)")
+    if activations == "float16" and quant == "fp32":
+        raise ValueError(f"float16 activations need fp16, int8 or int4 weights, not {quant!r}")
+    bits = {"int4": 4, "int8": 8}.get(quant)
+    # The embedding table is 4-bit at int8 too: ONNX Runtime's Gather quantizer has only 4 bits.
+    gather_bits = 4 if bits and quantized_embedding else None
+    if activations != "float16" and quant != "fp16":
+        write_stage(model, weights, dst, bits, gather_bits)
         return
-    if quant == "fp32":
-        # save() named the data file after the graph file, so a move keeps the reference valid.
-        src.rename(dst)
-        Path(str(src) + ".data").rename(str(dst) + ".data")
-    elif quant == "fp16":
+    scratch = dst.with_name(dst.stem + ".unconverted.onnx")
+    write_stage(model, weights, scratch, bits, gather_bits)
+    converted = onnx.load(str(scratch), load_external_data=True)
+    scratch.unlink()
+    scratch.with_name(scratch.name + ".data").unlink()
+    if activations == "float16":
+        converted = to_float16(converted)
+    else:
         from onnxruntime.transformers.float16 import convert_float_to_float16
 
-        model = onnx.load(str(src), load_external_data=True)
         # GroupQueryAttention stays float32: its past/present must be the float32 graph inputs
         # themselves (in place), not float16 casts of them. Its outputs' recorded types go: the
         # converter would retype them float16 and the blocked node's casts would then mismatch.
-        blocked = {o for n in model.graph.node if n.op_type == "GroupQueryAttention" for o in n.output}
-        kept = [v for v in model.graph.value_info if v.name not in blocked]
-        del model.graph.value_info[:]
-        model.graph.value_info.extend(kept)
-        model = convert_float_to_float16(model, keep_io_types=True, disable_shape_infer=True, op_block_list=["GroupQueryAttention"])
-        save(model, dst)
-    elif quant in ("int4", "int8"):
-        save(_quantized(str(src), quant), dst)
-    else:
-        raise ValueError(f"unknown quantization {quant!r} (int4, int8, fp16, fp32)")
-
-
-def _quantized(src: str, quant: str, embedding: bool = True) -> onnx.ModelProto:
-    bits = 4 if quant == "int4" else 8
-    model = _block_quantize(src, bits, ("MatMul",) if bits == 8 or not embedding else ("MatMul", "Gather"))
-    return _block_quantize(model, 4, ("Gather",)) if bits == 8 and embedding else model
+        blocked = {o for n in converted.graph.node if n.op_type == "GroupQueryAttention" for o in n.output}
+        kept = [v for v in converted.graph.value_info if v.name not in blocked]
+        del converted.graph.value_info[:]
+        converted.graph.value_info.extend(kept)
+        converted = convert_float_to_float16(converted, keep_io_types=True, disable_shape_infer=True, op_block_list=["GroupQueryAttention"])
+    save(converted, dst)

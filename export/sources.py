@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,151 @@ class Checkpoint:
     source: Source
     model: object  # transformers PreTrainedModel, float32, eval mode
     tokenizer: object  # transformers tokenizer with a fast backend
+    # None: `model` holds every weight. Else `model`'s parameters are on the meta device and
+    # loaded() reads the ones a step needs from the checkpoint's files, one module at a time.
+    weights: "LazyWeights | None" = None
+
+    @contextmanager
+    def loaded(self, paths: list[str]):
+        """Within the block, the modules at `paths` (e.g. "model.layers.3", "lm_head") hold
+        their weights; after it they are the meta modules again and the weights are freed."""
+        if self.weights is None:
+            yield
+            return
+        saved = []
+        try:
+            for path in paths:
+                parent, leaf = _parent(self.model, path)
+                module = _child(parent, leaf)
+                saved.append((parent, leaf, module))
+                _set_child(parent, leaf, self.weights.materialized(module, path))
+            yield
+        finally:
+            for parent, leaf, module in reversed(saved):
+                _set_child(parent, leaf, module)
+
+
+def _parent(model, path: str):
+    *head, leaf = path.split(".")
+    parent = model
+    for part in head:
+        parent = _child(parent, part)
+    return parent, leaf
+
+
+def _child(parent, leaf: str):
+    return parent[int(leaf)] if leaf.isdigit() else getattr(parent, leaf)
+
+
+def _set_child(parent, leaf: str, module) -> None:
+    if leaf.isdigit():
+        parent[int(leaf)] = module
+    else:
+        setattr(parent, leaf, module)
+
+
+class LazyWeights:
+    """A checkpoint's float32 tensors by transformers' parameter name, each read (and, from a
+    GGUF, dequantized and processed by transformers' own GGUF tensor processor) only when
+    asked: an fp32 1.5B model is 6.6 GiB, more than an 8 GB export can hold beside its graph."""
+
+    def __init__(self, read: dict, tied: dict[str, str]):
+        self.read = read  # parameter name -> () -> float32 numpy array or torch tensor
+        self.tied = tied  # parameter name -> the name it is read as (a tied LM head)
+
+    def tensor(self, name: str):
+        import numpy as np
+        import torch
+
+        value = self.read[self.tied.get(name, name)]()
+        tensor = torch.from_numpy(np.ascontiguousarray(value)) if isinstance(value, np.ndarray) else value
+        return tensor.to(torch.float32).contiguous()
+
+    def materialized(self, module, path: str):
+        """A copy of the meta `module` (at `path` in the model) holding its weights."""
+        import copy
+
+        import torch
+        from torch import nn
+
+        module = copy.deepcopy(module)
+        for name, param in list(module.named_parameters(recurse=True)):
+            owner, leaf = _parent(module, name) if "." in name else (module, name)
+            value = self.tensor(f"{path}.{name}")
+            if tuple(value.shape) != tuple(param.shape):
+                raise SourceError(f"{path}.{name}: the checkpoint holds shape {tuple(value.shape)}, the model {tuple(param.shape)}")
+            owner._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+        for name, buffer in module.named_buffers():
+            if buffer.is_meta:
+                raise SourceError(f"{path}.{name}: a buffer left on the meta device")
+        return module
+
+
+def _gguf_weights(path: Path, model) -> dict:
+    """Parameter name -> reader of that tensor in the GGUF, through transformers' own name map
+    and tensor processor (what from_pretrained(gguf_file=) runs over every tensor at once)."""
+    from gguf import GGUFReader, dequantize
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map, read_field
+
+    reader = GGUFReader(str(path))
+    architecture = read_field(reader, "general.architecture")[0]
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())
+    mapping = get_gguf_hf_weights_map(model, processor)
+
+    def reader_of(tensor):
+        def read():
+            result = processor.process(weights=_dequantized(tensor, dequantize), name=tensor.name, tensor_key_mapping=mapping, parsed_parameters={"tensors": {}, "config": {}})
+            return result.weights
+
+        return read
+
+    return {mapping[t.name]: reader_of(t) for t in reader.tensors if t.name in mapping}
+
+
+def _dequantized(tensor, dequantize, chunk_values: int = 1 << 22):
+    """gguf's dequantize, a block of rows at a time into one float32 array: over a whole
+    151,936-row table its temporaries are several times the table."""
+    import numpy as np
+
+    data = tensor.data
+    first = dequantize(data[:1], tensor.tensor_type)
+    out = np.empty((data.shape[0], *first.shape[1:]), dtype=np.float32)
+    rows = max(1, chunk_values // max(1, first.size))
+    for start in range(0, data.shape[0], rows):
+        out[start : start + rows] = dequantize(data[start : start + rows], tensor.tensor_type)
+    return out
+
+
+def _safetensors_weights(path: str) -> dict | None:
+    """Parameter name -> reader, from the checkpoint's safetensors files (a folder or the HF
+    cache); None when it has none (then the model loads whole)."""
+    import json
+
+    from safetensors import safe_open
+    from transformers.utils import cached_file
+
+    index = cached_file(path, "model.safetensors.index.json", _raise_exceptions_for_missing_entries=False)
+    if index:
+        files = sorted(set(json.loads(Path(index).read_text())["weight_map"].values()))
+        files = [cached_file(path, f) for f in files]
+    else:
+        single = cached_file(path, "model.safetensors", _raise_exceptions_for_missing_entries=False)
+        if not single:
+            return None
+        files = [single]
+
+    def reader_of(file, name):
+        def read():
+            with safe_open(file, framework="pt") as f:
+                return f.get_tensor(name)
+
+        return read
+
+    read = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            read.update({name: reader_of(file, name) for name in f.keys()})
+    return read
 
 
 def candidate_sources(spec: str) -> list[Source]:
@@ -102,3 +248,31 @@ def load_tokenizer(spec: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(source.path, **source.kwargs)
+
+
+def open_checkpoint(spec: str) -> Checkpoint:
+    """The checkpoint with its weights left in their files (Checkpoint.loaded reads them),
+    when they are a GGUF or safetensors whose names are the model's; else loaded whole."""
+    source, config = load_config(spec)
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    with init_empty_weights(include_buffers=False):  # parameters on meta; rotary tables computed
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if source.gguf_file:
+        read = _gguf_weights(Path(source.path) / source.gguf_file, model)
+    else:
+        read = _safetensors_weights(source.path)
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(source.path)
+        except OSError:
+            pass
+    names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
+    tied = {}
+    if read is not None and getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in read:
+        tied["lm_head.weight"] = "model.embed_tokens.weight"
+    if read is None or any(tied.get(n, n) not in read for n in names):
+        return load_checkpoint(spec)
+    tokenizer = AutoTokenizer.from_pretrained(source.path, **source.kwargs)
+    return Checkpoint(source, model, tokenizer, LazyWeights(read, tied))

@@ -151,7 +151,7 @@ class StageModule(nn.Module):
             weight = hf_model.lm_head.weight.detach()
             # Gathered, not sliced, for a trimmed head; a tied embedding keeps every row for the input side.
             weight = weight[:vocab_rows] if head_tokens is None else weight[torch.as_tensor(head_tokens, dtype=torch.int64)]  # [vocab | kept, hidden]
-            self.lm_head_t = nn.Parameter(weight.t().contiguous().clone(), requires_grad=False)  # [hidden, vocab]
+            self.lm_head_t = nn.Parameter(weight.t().contiguous(), requires_grad=False)  # [hidden, vocab]: a copy (a transpose is not contiguous)
 
     def rope_table(self, index: int, name: str) -> torch.Tensor:
         return getattr(self, name + ("" if index == 0 else f"_{index}"))

@@ -49,7 +49,7 @@ def _exporter_hash() -> str:
     # graph names, the device profiles, and the manifest schema version (bumped whenever its format changes).
     from edge_spec.manifest import SCHEMA_VERSION
 
-    for name in ("export/static_cache.py", "export/onnx_graphs.py", "export/quantize.py", "edge_spec/names.py"):
+    for name in ("export/static_cache.py", "export/onnx_graphs.py", "export/quantize.py", "export/bundle.py", "export/sources.py", "edge_spec/names.py"):
         digest.update((ROOT / name).read_bytes())
     for path in sorted((ROOT / "export" / "archs").glob("*.py")):  # what each family computes
         digest.update(path.read_bytes())

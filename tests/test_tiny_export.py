@@ -304,14 +304,16 @@ def test_projections_are_merged(which, bundles, portable_bundle, quant_bundles):
     assert checked
 
 
-def test_merge_parallel_matmuls_keeps_outputs_and_tied_weights():
+def test_merge_parallel_matmuls_keeps_outputs_and_tied_weights(tmp_path):
     """Three MatMuls on x merge into one MatMul + Split with the same outputs; a weight that
-    another node also reads stays whole, and MatMuls on other activations are left alone."""
+    another node also reads stays whole, and MatMuls on other activations are left alone. The
+    merged weight has no bytes until the stage is written (export/quantize.write_stage)."""
     import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from export.onnx_graphs import merge_parallel_matmuls
+    from export.onnx_graphs import StageWeights, merge_parallel_matmuls
+    from export.quantize import write_stage
 
     rng = np.random.default_rng(0)
     w = {name: rng.standard_normal((8, n)).astype(np.float32) for name, n in (("wq", 8), ("wk", 4), ("wv", 4), ("wt", 6), ("wo", 5))}
@@ -331,15 +333,99 @@ def test_merge_parallel_matmuls_keeps_outputs_and_tied_weights():
     x = rng.standard_normal((1, 3, 8)).astype(np.float32)
     before = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
 
-    assert merge_parallel_matmuls(model) == 2
-    onnx.checker.check_model(model)
+    weights = StageWeights(None)
+    assert merge_parallel_matmuls(model, weights) == 2
     ops = [n.op_type for n in model.graph.node]
     assert ops.count("MatMul") == 3 and ops.count("Split") == 1  # merged q/k/v, t, o
     assert {i.name for i in model.graph.initializer} >= {"wt", "wo"} and not {"wq", "wk", "wv"} & {i.name for i in model.graph.initializer}
-    after = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    merged = next(t for t in model.graph.initializer if t.name.endswith(".merged.weight"))
+    assert list(merged.dims) == [8, 16] and not merged.raw_data
+    write_stage(model, weights, tmp_path / "g.onnx", None, None)
+    onnx.checker.check_model(str(tmp_path / "g.onnx"))
+    after = ort.InferenceSession(str(tmp_path / "g.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})
     for a, b in zip(before, after):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
-    assert merge_parallel_matmuls(model) == 0  # idempotent: nothing left to merge
+    assert merge_parallel_matmuls(onnx.load(str(tmp_path / "g.onnx"), load_external_data=False), StageWeights(tmp_path)) == 0  # nothing left to merge
+
+
+def _traced_stage(folder, tmp_path, hidden=64):
+    """A tiny checkpoint's whole stage traced by the exporter, weights forced into one
+    external file per tensor as torch writes a stage past 2 GB (what the streaming reads)."""
+    import onnx
+
+    from edge_spec import names
+    from export.onnx_graphs import trace_stage
+    from export.static_cache import StageModule
+
+    model, _ = tiny.load_hf(folder)
+    n = model.config.num_hidden_layers
+    stage = StageModule(model, 0, n, True, True, model.config.vocab_size, "fused", tiny.MAX_CONTEXT)
+    traced = tmp_path / "traced" / "stage.onnx"
+    traced.parent.mkdir()
+    trace_stage(stage, range(n), tiny.MAX_CONTEXT, model.config.hidden_size, traced)
+    split = onnx.load(str(traced))
+    onnx.save_model(split, str(traced), save_as_external_data=True, all_tensors_to_one_file=False, size_threshold=1024)
+    return traced, names.stage_inputs(True, True, range(n), "fused"), names.stage_outputs(True, range(n), "fused")
+
+
+@pytest.mark.parametrize("quant", ["int4", "int8"])
+def test_streamed_quantization_equals_the_whole_graph_quantizer(quant, tiny_models, tmp_path):
+    """export/quantize.write_stage quantizes one weight at a time through ONNX Runtime's node
+    quantizer; the result must be what MatMulNBitsQuantizer gives over the whole fp32 graph
+    held in memory (the exporter's earlier path): same nodes, same initializer bytes."""
+    import onnx
+    from onnx import numpy_helper
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    from export.onnx_graphs import finish_stage
+    from export.quantize import ACCURACY_LEVEL, BLOCK_SIZE, quantize_stage, write_stage
+
+    traced, inputs, outputs = _traced_stage(tiny_models.llama, tmp_path)
+    graph, weights = finish_stage([traced], inputs, outputs)
+    write_stage(graph, weights, tmp_path / "fp32.onnx", None, None)
+    graph, weights = finish_stage([traced], inputs, outputs)
+    quantize_stage(graph, weights, tmp_path / "q.onnx", quant)
+
+    reference = onnx.load(str(tmp_path / "fp32.onnx"))
+    for bits, ops in ((8, ("MatMul",)), (4, ("Gather",))) if quant == "int8" else ((4, ("MatMul", "Gather")),):
+        q = MatMulNBitsQuantizer(reference, bits=bits, block_size=BLOCK_SIZE, is_symmetric=True, accuracy_level=ACCURACY_LEVEL,
+                                 op_types_to_quantize=ops, quant_axes=(("MatMul", 0), ("Gather", 1)))
+        q.process()
+        reference = q.model.model
+    got = onnx.load(str(tmp_path / "q.onnx"))
+    assert [n.SerializeToString() for n in got.graph.node] == [n.SerializeToString() for n in reference.graph.node]
+    expected = {t.name: numpy_helper.to_array(t) for t in reference.graph.initializer}
+    actual = {t.name: numpy_helper.to_array(t) for t in got.graph.initializer}
+    assert sorted(actual) == sorted(expected)
+    for name, array in expected.items():
+        assert actual[name].dtype == array.dtype and actual[name].tobytes() == array.tobytes(), name
+    assert {(o.domain, o.version) for o in got.opset_import} == {(o.domain, o.version) for o in reference.opset_import}
+    assert got.ir_version == reference.ir_version
+    ops = {n.op_type for n in got.graph.node}
+    assert {"MatMulNBits", "GatherBlockQuantized"} <= ops and "MatMul" not in ops
+
+
+def test_stage_weights_read_each_tensor_from_its_file(tiny_models, tmp_path):
+    """StageWeights reads a tensor from torch's per-tensor file (offset 0, no length) and from a
+    shared file at an offset, and refuses a file that is too short instead of padding it."""
+    import onnx
+    from onnx import numpy_helper
+
+    from export.onnx_graphs import StageWeights
+
+    traced, _, _ = _traced_stage(tiny_models.llama, tmp_path)
+    whole = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(traced)).graph.initializer}
+    lazy = onnx.load(str(traced), load_external_data=False)
+    weights = StageWeights(traced.parent)
+    external = [t for t in lazy.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    assert len(external) > 10
+    for t in lazy.graph.initializer:
+        np.testing.assert_array_equal(weights.array(t), whole[t.name])
+    victim = external[0]
+    path = traced.parent / next(e.value for e in victim.external_data if e.key == "location")
+    path.write_bytes(path.read_bytes()[:-4])
+    with pytest.raises(RuntimeError, match="holds"):
+        weights.array(victim)
 
 
 # -- refusals and the padded-head path ---------------------------------------------------------
