@@ -39,7 +39,6 @@ def save(model: onnx.ModelProto, path: Path) -> None:
 
 
 INLINE_BYTES = 1024
-ALIGN = 4096  # page-aligned offsets, so ONNX Runtime can map the data file
 
 
 class DataWriter:
@@ -55,8 +54,7 @@ class DataWriter:
         (its arena) alive for as long as any part of it is referenced, cleared fields included."""
         if not tensor.HasField("raw_data") or len(tensor.raw_data) < INLINE_BYTES:
             return onnx.TensorProto.FromString(tensor.SerializeToString())
-        offset = -self.file.tell() % ALIGN + self.file.tell()
-        self.file.seek(offset)
+        offset = self.file.tell()  # back to back, as onnx.save_model writes them
         self.file.write(tensor.raw_data)
         ref = onnx.TensorProto(name=tensor.name, data_type=tensor.data_type, dims=list(tensor.dims), data_location=onnx.TensorProto.EXTERNAL)
         for key, value in (("location", self.location), ("offset", str(offset)), ("length", str(len(tensor.raw_data)))):

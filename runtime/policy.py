@@ -118,7 +118,9 @@ class ProbeSchedule:
 class LossLedger:
     """What a drafter's rounds lost against plain decoding in this sequence, by the clock.
     Predictions rest on α and costs estimated from few rounds; the ledger on what the rounds
-    really took (draft replay included). Wins earn room for later rounds."""
+    really took (draft replay included). Wins earn room for later rounds, and so does every
+    token the sequence commits: the loss may reach max_loss of the plain time of the horizon
+    plus the tokens so far, so a drafter switched off by early losses can come back."""
 
     def __init__(self, max_loss: float, costs: CostModel):
         self.max_loss = max_loss
@@ -128,16 +130,20 @@ class LossLedger:
     def start(self, horizon_tokens: int = 256) -> None:
         self.horizon_tokens = horizon_tokens
         self.loss_seconds = 0.0
+        self.tokens = 0
 
     def record(self, seconds: float, n_tokens: int) -> None:
         """A round took `seconds` and committed n_tokens, which plain decoding takes n_tokens
         1-token passes for."""
         self.loss_seconds += seconds - n_tokens * self.costs.target_cost(1)
 
-    def over_budget(self, at_risk: float = 0.0) -> bool:
-        """Lost, or would lose with at_risk more seconds (a probe's expected loss), more than
-        max_loss of the sequence's plain time."""
-        return self.loss_seconds + at_risk > self.max_loss * self.horizon_tokens * self.costs.target_cost(1)
+    def advance(self, n_tokens: int) -> None:
+        """The sequence committed n_tokens (any round, plain steps included)."""
+        self.tokens += n_tokens
+
+    def room(self) -> float:
+        """Seconds a round may still lose."""
+        return self.max_loss * (self.horizon_tokens + self.tokens) * self.costs.target_cost(1) - self.loss_seconds
 
 
 class PartPolicy:
@@ -172,27 +178,42 @@ class PartPolicy:
         tokens = expected_tokens_per_pass(self.alpha, gamma)
         return tokens * self.costs.target_cost(1) / self.round_cost(gamma, draft_step_cost, replay_seconds)
 
+    def worst_loss(self, gamma: int, draft_step_cost: float, replay_seconds: float = 0.0) -> float:
+        """What the round loses against a plain step if the target rejects every drafted token."""
+        return self.round_cost(gamma, draft_step_cost, replay_seconds) - self.costs.target_cost(1)
+
+    def _gains(self, draft_step_cost: float, replay_seconds: float) -> dict[int, float]:
+        """Expected speedup of a plain step (γ 0) and of every γ whose worst case the ledger affords."""
+        room = self.ledger.room()
+        affordable = [g for g in range(1, self.config.max_gamma + 1) if self.worst_loss(g, draft_step_cost, replay_seconds) <= room]
+        return {g: self.expected_speedup(g, draft_step_cost, replay_seconds) for g in [0, *affordable]}
+
+    def best_gain(self, draft_step_cost: float, replay_seconds: float = 0.0) -> float:
+        """The expected speedup of the best round this part could draft now (1.0: none pays)."""
+        if self.config.fixed is not None:
+            return self.expected_speedup(self.config.fixed, draft_step_cost, replay_seconds)
+        return max(self._gains(draft_step_cost, replay_seconds).values())
+
     def choose(self, draft_step_cost: float, replay_seconds: float = 0.0) -> int:
         """γ for the next round (0: a plain target step), given the seconds of one draft step
         (0 for copying drafters) and of replaying what the drafter missed before it can draft
-        (a draft model after plain or copy rounds): this round pays for it."""
+        (a draft model after plain or copy rounds): this round pays for it. Only a γ whose
+        worst case the ledger can afford is considered: a long first round on a prior carried
+        over from other text must not spend the whole sequence's room at once."""
         if self.config.fixed is not None:
             return self.config.fixed
-        if self.ledger.over_budget():
+        gains = self._gains(draft_step_cost, replay_seconds)
+        affordable = [g for g in gains if g]
+        if not affordable:
             return 0
-        gains = [self.expected_speedup(g, draft_step_cost, replay_seconds) for g in range(self.config.max_gamma + 1)]
-        best = int(np.argmax(gains))
+        best = max(gains, key=lambda g: gains[g])  # the first of equals: the shortest
         if gains[best] >= self.config.min_gain:
             self.probes.speculating()
             return best
-        probe = 1 + int(np.argmax(gains[1:]))
-        # A probe is expected to lose (that is why speculation is off): run it only if the
-        # ledger can afford that loss, replay included.
-        expected_loss = self.round_cost(probe, draft_step_cost, replay_seconds) * (1.0 - gains[probe])
-        if self.probes.sit_out() and not self.ledger.over_budget(expected_loss):
+        if self.probes.sit_out():
             # Conditions change (a code block starts, say): draft once to refresh α.
             self.probes.probe()
-            return probe
+            return max(affordable, key=lambda g: gains[g])
         return 0
 
     def update(self, n_drafted: int, n_accepted: int) -> None:
@@ -207,8 +228,8 @@ class RoundPolicy:
     """One per engine: the cost model, and a PartPolicy per (drafter, part, γ config) for the
     engine's life, so α learned on earlier sequences is the prior for the next while the probe
     schedule and the ledger restart with each sequence. Keyed by the drafter chosen too: auto's
-    model part drafts only where lookup finds no match, harder text than the model alone sees,
-    so their α must not mix."""
+    model part drafts where lookup finds no match or is expected to do worse, other text than
+    the model alone sees, so their α must not mix."""
 
     def __init__(self, costs: CostModel | None = None, prior_alpha: float = 0.6):
         self.costs = costs if costs is not None else CostModel()
@@ -232,18 +253,30 @@ class RoundPolicy:
         return self
 
     def choose(self, tokens) -> tuple[Drafter | None, int]:
-        """The drafter for the round after `tokens` (a mixed drafter's part) and its γ (0: plain)."""
+        """The drafter for the round after `tokens` and its γ (0: plain). Of a mixed drafter's
+        parts able to draft, the one whose best affordable round is expected to gain most (the
+        drafter's preference among equals): a short n-gram match found almost anywhere in code
+        must not take every round from a draft model that is doing better."""
         if self.drafter is None:
             return None, 0
-        part = self.drafter.select(tokens) if isinstance(self.drafter, Selects) else self.drafter
+        part = self.drafter
+        if isinstance(part, Selects):
+            options = part.candidates(tokens)
+            part = max(options, key=lambda p: self.parts[p.name].best_gain(*self._costs_of(p, tokens)))
+        return part, self.parts[part.name].choose(*self._costs_of(part, tokens))
+
+    def _costs_of(self, part: Drafter, tokens) -> tuple[float, float]:
+        """Seconds of one draft step of `part` and of its replay before it can draft after `tokens`."""
         step_cost = self.costs.draft_step.get(part.name, 0.0) if isinstance(part, CostsPasses) else 0.0
         replay = self.costs.replay_cost(part.name, part.replay_tokens(tokens)) if isinstance(part, CatchesUp) else 0.0
-        return part, self.parts[part.name].choose(step_cost, replay)
+        return step_cost, replay
 
     def observe(self, done: Round) -> None:
         """Learn from a finished round: the verify pass's cost, and for a drafted round its
         drafter's α, probe outcome, ledger entry and draft and replay costs."""
         self.costs.record_target(done.n_drafted + 1, done.target_s)
+        for policy in self.parts.values():
+            policy.ledger.advance(done.n_committed)
         if not done.n_drafted:
             return
         part = self.parts[done.drafter]

@@ -331,7 +331,7 @@ def test_ledger_switches_off_a_drafter_whose_rounds_lose():
     once they have lost max_loss of the sequence's plain time."""
     costs = _costs({1: 1.0, 2: 1.1, 3: 1.2})
     controller = _with_alpha(0.9, costs, GammaConfig(max_loss=0.05))
-    controller.start(horizon_tokens=100)  # budget: 0.05 · 100 tokens · 1 s = 5 s
+    controller.start(horizon_tokens=100)  # room: 0.05 · 100 tokens · 1 s = 5 s
     rounds = 0
     while controller.choose(draft_step_cost=0.05):
         controller.ledger.record(seconds=3.0, n_tokens=1)  # each round loses 2 s against plain
@@ -343,15 +343,42 @@ def test_ledger_switches_off_a_drafter_whose_rounds_lose():
     assert controller.choose(0.05) >= 1
 
 
+def test_ledger_room_grows_with_the_tokens_committed():
+    """The mechanism behind drafters that stayed off for a whole sequence: one rejected long
+    round on a carried-over prior spent the sequence's room, and nothing could earn it back.
+    Every committed token now adds max_loss of its plain time, so they come back."""
+    costs = _costs({1: 1.0, 2: 1.1, 3: 1.2})
+    controller = _with_alpha(0.9, costs, GammaConfig(max_loss=0.05))
+    controller.start(horizon_tokens=100)
+    controller.ledger.record(seconds=7.0, n_tokens=1)  # lost 6 s: 1 s over the 5 s room
+    assert controller.choose(0.05) == 0
+    controller.ledger.advance(20)  # 20 plain tokens: + 0.05 · 20 · 1 s, room 0 s
+    assert controller.ledger.room() == pytest.approx(0.0) and controller.choose(0.05) == 0
+    controller.ledger.advance(4)  # room 0.2 s: a γ = 1 round's worst case is 0.05 + 1.1 - 1 = 0.15 s
+    assert controller.choose(0.05) == 1
+
+
+def test_round_length_is_sized_to_the_room_left():
+    """A γ is chosen only if the ledger affords its loss when every drafted token is rejected,
+    so an α carried over from other text cannot spend the whole room in one round."""
+    costs = _costs({1: 1.0, 2: 1.2, 3: 1.4, 5: 1.8, 9: 2.6})
+    controller = _with_alpha(0.99, costs, GammaConfig(max_loss=0.01, max_gamma=8))
+    controller.start(horizon_tokens=100)  # room 1 s
+    first = controller.choose(draft_step_cost=0.0)
+    assert first >= 1 and controller.worst_loss(first, 0.0) <= 1.0 < controller.worst_loss(first + 1, 0.0)
+    controller.ledger.record(seconds=1.0, n_tokens=first + 1)  # accepted in full: won first s
+    assert controller.choose(draft_step_cost=0.0) > first  # wins buy longer rounds
+
+
 def test_ledger_wins_earn_room_for_later_losses():
     costs = _costs({1: 1.0, 2: 1.1, 3: 1.2})
     controller = _with_alpha(0.9, costs, GammaConfig(max_loss=0.01))
-    controller.start(horizon_tokens=100)  # budget 1 s
+    controller.start(horizon_tokens=100)  # room 1 s
     controller.ledger.record(seconds=1.2, n_tokens=3)  # won 1.8 s
     controller.ledger.record(seconds=3.5, n_tokens=1)  # lost 2.5 s: net loss 0.7 s, within budget
-    assert not controller.ledger.over_budget() and controller.choose(0.05) >= 1
+    assert controller.ledger.room() > 0 and controller.choose(0.05) >= 1
     controller.ledger.record(seconds=1.5, n_tokens=1)  # net loss 1.2 s
-    assert controller.ledger.over_budget() and controller.choose(0.05) == 0
+    assert controller.ledger.room() < 0 and controller.choose(0.05) == 0
 
 
 def test_loop_feeds_the_ledger_what_rounds_took():

@@ -152,6 +152,7 @@ def gamma_traces() -> list[dict]:
             if gamma:
                 controller.update(gamma, accepted)
                 controller.ledger.record(seconds, accepted + 1)
+            controller.ledger.advance(accepted + 1)
             rounds.append([gamma, accepted, seconds])
         cases.append({"target_costs": {str(k): v for k, v in target.items()}, "step_cost": step_cost,
                       "prior_alpha": [0.6, 0.2, 0.9][i % 3], "probe_first": config.probe_first, "probe_every": config.probe_every,

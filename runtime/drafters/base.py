@@ -88,8 +88,8 @@ class Selects(Drafter):
         """Every drafter that can be selected, each with its own γ policy."""
 
     @abstractmethod
-    def select(self, tokens: np.ndarray) -> Drafter:
-        """The part that proposes after `tokens`."""
+    def candidates(self, tokens: np.ndarray) -> list[Drafter]:
+        """The parts able to propose after `tokens`, preferred first; the policy picks one."""
 
 
 class Remembers(Drafter):

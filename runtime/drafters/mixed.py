@@ -1,4 +1,4 @@
-"""Copy when the text repeats, otherwise draft with a model: chosen per round."""
+"""Copy when the text repeats, otherwise draft with a model: chosen per round by the policy."""
 
 from __future__ import annotations
 
@@ -12,17 +12,17 @@ class MixedDrafter(Selects):
         self.model = model
         self.name = name
 
-    def select(self, tokens):
-        # A suffix match costs nothing to find and drafts for free; the model is the fallback.
-        if self.model is None or len(self.lookup.find(tokens, 1)):
-            return self.lookup
-        return self.model
+    def candidates(self, tokens):
+        # A suffix match costs nothing to find and drafts for free: preferred when it is there.
+        if self.model is None:
+            return [self.lookup]
+        return [self.lookup, self.model] if len(self.lookup.find(tokens, 1)) else [self.model]
 
     def parts(self):
         return [self.lookup] + ([self.model] if self.model is not None else [])
 
     def propose(self, tokens, gamma, sampling, rng):
-        return self.select(tokens).propose(tokens, gamma, sampling, rng)
+        return self.candidates(tokens)[0].propose(tokens, gamma, sampling, rng)
 
     def accepted(self, tokens, n_accepted):
         for part in self.parts():

@@ -88,6 +88,7 @@ class PureConformanceTest {
                 val gamma = round.getInt(0); val accepted = round.getInt(1)
                 assertEquals(gamma, controller.choose(case.getDouble("step_cost"), case.getDouble("replay")), "case $n round $r")
                 if (gamma > 0) { controller.update(gamma, accepted); controller.ledger.record(round.getDouble(2), accepted + 1) }
+                controller.ledger.advance(accepted + 1)
             }
         }
     }

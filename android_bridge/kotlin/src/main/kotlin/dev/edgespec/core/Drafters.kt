@@ -50,7 +50,8 @@ interface CatchesUp : CostsPasses {
 /** A drafter made of parts, one of which drafts each round (the policy asks which). */
 interface Selects {
     fun parts(): List<Drafter>
-    fun select(tokens: LongArray): Drafter
+    /** The parts able to propose after `tokens`, preferred first; the policy picks one. */
+    fun candidates(tokens: LongArray): List<Drafter>
 }
 
 /** The drafters a round can draft with: a mixed drafter's parts, else the drafter itself. */
@@ -164,10 +165,14 @@ class LayerSkipDrafter(val runner: ModelRunner) : Drafter(), CostsPasses {
 /** Copy when the text repeats, otherwise draft with a model: chosen per round. */
 class MixedDrafter(val lookup: PromptLookupDrafter, val model: Drafter?) : Drafter(), Selects {
     override val name = "auto"
-    override fun select(tokens: LongArray): Drafter = if (model == null || lookup.find(tokens, 1).isNotEmpty()) lookup else model
+    override fun candidates(tokens: LongArray): List<Drafter> = when {
+        model == null -> listOf(lookup)
+        lookup.find(tokens, 1).isNotEmpty() -> listOf(lookup, model)
+        else -> listOf(model)
+    }
     override fun parts(): List<Drafter> = listOfNotNull(lookup, model)
     override fun propose(tokens: LongArray, gamma: Int, sampling: SamplingConfig, rng: UniformSource) =
-        select(tokens).propose(tokens, gamma, sampling, rng)
+        candidates(tokens)[0].propose(tokens, gamma, sampling, rng)
     override fun accepted(tokens: LongArray, nAccepted: Int) { parts().forEach { it.accepted(tokens, nAccepted) } }
     override fun reset(tokens: LongArray) { parts().forEach { it.reset(tokens) } }
 }

@@ -51,16 +51,23 @@ class ProbeSchedule(private val config: GammaConfig) {
     fun outcome(nDrafted: Int, nAccepted: Int) { if (probing) { failed = if (nAccepted == nDrafted) 0 else failed + 1; probing = false } }
 }
 
-/** What a drafter's rounds lost against plain decoding in this sequence, by the clock; wins earn room for later rounds. */
+/**
+ * What a drafter's rounds lost against plain decoding in this sequence, by the clock; wins earn room for later
+ * rounds, and so does every committed token: the loss may reach maxLoss of the plain time of the horizon plus the
+ * tokens so far (runtime/policy.py LossLedger).
+ */
 class LossLedger(private val maxLoss: Double, private val costs: CostModel) {
     var horizonTokens = 256
     var lossSeconds = 0.0
+    var tokens = 0
 
-    fun start(horizonTokens: Int = 256) { this.horizonTokens = horizonTokens; lossSeconds = 0.0 }
+    fun start(horizonTokens: Int = 256) { this.horizonTokens = horizonTokens; lossSeconds = 0.0; tokens = 0 }
     /** A round took `seconds` and committed nTokens, which plain decoding takes nTokens 1-token passes for. */
     fun record(seconds: Double, nTokens: Int) { lossSeconds += seconds - nTokens * costs.targetCost(1) }
-    /** Lost, or would lose with atRisk more seconds (a probe's expected loss), more than maxLoss of the sequence's plain time. */
-    fun overBudget(atRisk: Double = 0.0): Boolean = lossSeconds + atRisk > maxLoss * horizonTokens * costs.targetCost(1)
+    /** The sequence committed nTokens (any round, plain steps included). */
+    fun advance(nTokens: Int) { tokens += nTokens }
+    /** Seconds a round may still lose. */
+    fun room(): Double = maxLoss * (horizonTokens + tokens) * costs.targetCost(1) - lossSeconds
 }
 
 /** γ for one drafter (one part of a mixed drafter): the argmax of the expected speedup, read from its α estimate, probe schedule and ledger. */
@@ -84,15 +91,32 @@ class PartPolicy(val config: GammaConfig, val costs: CostModel, priorAlpha: Doub
         return tokens * costs.targetCost(1) / roundCost(gamma, draftStepCost, replaySeconds)
     }
 
+    /** What the round loses against a plain step if the target rejects every drafted token. */
+    fun worstLoss(gamma: Int, draftStepCost: Double, replaySeconds: Double = 0.0): Double =
+        roundCost(gamma, draftStepCost, replaySeconds) - costs.targetCost(1)
+
+    /** Expected speedup of a plain step (γ 0) and of every γ whose worst case the ledger affords. */
+    private fun gains(draftStepCost: Double, replaySeconds: Double): Map<Int, Double> {
+        val room = ledger.room()
+        val affordable = (1..config.maxGamma).filter { worstLoss(it, draftStepCost, replaySeconds) <= room }
+        return (listOf(0) + affordable).associateWith { expectedSpeedup(it, draftStepCost, replaySeconds) }
+    }
+
+    /** The expected speedup of the best round this part could draft now (1.0: none pays). */
+    fun bestGain(draftStepCost: Double, replaySeconds: Double = 0.0): Double {
+        config.fixed?.let { return expectedSpeedup(it, draftStepCost, replaySeconds) }
+        return gains(draftStepCost, replaySeconds).values.max()
+    }
+
+    /** Only a γ whose worst case the ledger can afford is considered (runtime/policy.py PartPolicy.choose). */
     fun choose(draftStepCost: Double, replaySeconds: Double = 0.0): Int {
         config.fixed?.let { return it }
-        if (ledger.overBudget()) return 0
-        val gains = DoubleArray(config.maxGamma + 1) { expectedSpeedup(it, draftStepCost, replaySeconds) }
-        val best = Sampling.argmax(gains)
-        if (gains[best] >= config.minGain) { probes.speculating(); return best }
-        val probe = 1 + Sampling.argmax(gains.copyOfRange(1, gains.size))
-        val expectedLoss = roundCost(probe, draftStepCost, replaySeconds) * (1.0 - gains[probe])
-        if (probes.sitOut() && !ledger.overBudget(expectedLoss)) { probes.probe(); return probe }
+        val gains = gains(draftStepCost, replaySeconds)
+        val affordable = gains.keys.filter { it > 0 }
+        if (affordable.isEmpty()) return 0
+        val best = gains.keys.maxBy { gains.getValue(it) }  // the first of equals: the shortest
+        if (gains.getValue(best) >= config.minGain) { probes.speculating(); return best }
+        if (probes.sitOut()) { probes.probe(); return affordable.maxBy { gains.getValue(it) } }
         return 0
     }
 
@@ -129,15 +153,22 @@ class RoundPolicy(val costs: CostModel = CostModel(), private val priorAlpha: Do
     /** The drafter for the round after `tokens` (a mixed drafter's part) and its γ (0: plain). */
     fun choose(tokens: LongArray): Pair<Drafter?, Int> {
         val top = drafter ?: return null to 0
-        val part = if (top is Selects) top.select(tokens) else top
+        // Of a mixed drafter's parts able to draft, the one whose best affordable round gains most (runtime/policy.py).
+        val part = if (top is Selects) top.candidates(tokens).maxBy { p -> costsOf(p, tokens).let { (step, replay) -> parts.getValue(p.name).bestGain(step, replay) } } else top
+        val (stepCost, replay) = costsOf(part, tokens)
+        return part to parts.getValue(part.name).choose(stepCost, replay)
+    }
+
+    private fun costsOf(part: Drafter, tokens: LongArray): Pair<Double, Double> {
         val stepCost = if (part is CostsPasses) costs.draftStep[part.name] ?: 0.0 else 0.0
         val replay = if (part is CatchesUp) costs.replayCost(part.name, part.replayTokens(tokens)) else 0.0
-        return part to parts.getValue(part.name).choose(stepCost, replay)
+        return stepCost to replay
     }
 
     /** Learns from a finished round: the verify pass's cost, and for a drafted round its drafter's α, probe, ledger, draft and replay costs. */
     fun observe(done: Round) {
         costs.recordTarget(done.nDrafted + 1, done.targetSeconds)
+        for (policy in parts.values) policy.ledger.advance(done.nCommitted)
         if (done.nDrafted == 0) return
         val part = parts.getValue(done.drafter!!)
         part.update(done.nDrafted, done.nAccepted)
