@@ -93,7 +93,8 @@ def test_results_runs(bench_out):
         # forward; the draft's prompt prefill lies outside the decode window.
         drafted = sum(int(g) * n for g, n in run["gamma_histogram"].items())
         assert drafted <= run["draft_model_forwards"] <= drafted + run["target_passes"]
-        assert run["cost_ratio_per_drafted_token"]["model"] >= run["cost_ratio"]
+        # Equal when no catch-up forward ran; the two are summed in different orders.
+        assert run["cost_ratio_per_drafted_token"]["model"] >= run["cost_ratio"] * (1 - 1e-12)
     assert all(r["draft_model_forwards"] == 0 for r in runs if r["mode"] != "model")
     assert "1" in results["verify_cost"] and "3" in results["verify_cost"]
 
