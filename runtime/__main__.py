@@ -336,10 +336,10 @@ def cmd_handoff(args) -> int:
     from runtime.bundle import open_bundle
     from runtime.handoff import measured_alpha, plan
 
+    alphas = measured_alpha(args.bench_results) if args.alpha is None and args.bench_results else None
     bundle = open_bundle(args.bundle, check_hashes=False)
     alpha = args.alpha
-    if alpha is None and args.bench_results:
-        alphas = measured_alpha(args.bench_results)
+    if alphas is not None:
         mode = "model" if (args.method in ("auto", "draft") and "draft" in bundle.manifest.models) else "lookup"
         if mode not in alphas:
             raise ValueError(f"{args.bench_results} has no α for mode {mode!r} (it has: {', '.join(alphas) or 'none'})")

@@ -6,6 +6,7 @@ generations, so an Engine may be shared between threads (callers wait their turn
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -92,9 +93,14 @@ class EngineConfig:
     block_stable: bool = False
     # Tokens of earlier sequences the suffix drafters (suffix, auto+suffix) keep to copy from.
     suffix_cache_tokens: int = 1 << 16  # about 20 MB of index at most (README: suffix cache)
+    # A generation on another thread waits for the one holding this Engine, but not for a
+    # stream nobody has read for this long (abandoned while still referenced): it raises instead.
+    stream_idle_timeout: float | None = 60.0
 
     def __post_init__(self):
         GammaConfig(fixed=self.gamma, max_gamma=self.max_gamma)  # raises ValueError on a γ it cannot run
+        if self.stream_idle_timeout is not None and not self.stream_idle_timeout > 0:
+            raise ValueError(f"stream_idle_timeout must be > 0 seconds or None, got {self.stream_idle_timeout!r}")
         if self.suffix_cache_tokens < 1:
             raise ValueError(f"suffix_cache_tokens must be at least 1, got {self.suffix_cache_tokens}")
 
@@ -142,6 +148,7 @@ class Engine:
         self.policy = RoundPolicy(self.costs)  # α per drafter and γ config for the engine's life
         self._lock = threading.Lock()
         self._owner: int | None = None  # thread id of the generation holding _lock
+        self._idle_since: float | None = None  # when the holding stream last yielded and was not read since
         if config.calibrate and self.drafter is not None:
             self.calibrate()
 
@@ -187,7 +194,7 @@ class Engine:
         """Switch drafter (and γ policy) without reloading: sessions and buffers are reused."""
         if kind not in DRAFTERS:
             raise ValueError(f"unknown drafter {kind!r} (choose from {', '.join(DRAFTERS)})")
-        with self._lock:
+        with self._held():
             self.config = dataclasses.replace(self.config, drafter=kind, gamma=gamma)
             if kind not in self._drafters:
                 self._drafters[kind] = self._make_drafter(kind)
@@ -197,7 +204,7 @@ class Engine:
 
     def forget(self) -> None:
         """Drop what every drafter keeps from earlier sequences (the suffix cache)."""
-        with self._lock:
+        with self._held():
             for drafter in self._drafters.values():
                 for part in parts(drafter):
                     if isinstance(part, Remembers):
@@ -237,12 +244,34 @@ class Engine:
         if self._owner == threading.get_ident():
             raise RuntimeError("this Engine is already generating on this thread (generate or stream inside a stream "
                                "of the same Engine would wait for itself forever); finish or close that stream first")
-        with self._lock:
+        self._acquire()
+        try:
             self._owner = threading.get_ident()
-            try:
-                yield from self._stream_locked(list(prompt_ids), config, self.drafter if speculative else None, cancel)
-            finally:
-                self._owner = None
+            for item in self._stream_locked(list(prompt_ids), config, self.drafter if speculative else None, cancel):
+                self._idle_since = time.monotonic()
+                yield item
+                self._idle_since = None
+        finally:
+            self._owner = self._idle_since = None
+            self._lock.release()
+
+    @contextlib.contextmanager
+    def _held(self):
+        self._acquire()
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    def _acquire(self) -> None:
+        """Wait for the generation holding the Engine, unless it is a stream left unread."""
+        while not self._lock.acquire(timeout=0.2):
+            idle_since, timeout = self._idle_since, self.config.stream_idle_timeout
+            if timeout is not None and idle_since is not None and time.monotonic() - idle_since > timeout:
+                raise RuntimeError(
+                    f"this Engine is held by a stream that has not been read for over {timeout:g} s (abandoned but still "
+                    "referenced?): read it to the end or close() it; runtime.api.Model queues requests and closes such "
+                    "streams itself (EngineConfig(stream_idle_timeout=...))")
 
     def _stream_locked(self, prompt_ids: list[int], config: GenerateConfig, drafter: Drafter | None, cancel: threading.Event | None = None):
         rng = np.random.default_rng(config.sampling.seed)

@@ -55,8 +55,12 @@ def hub_id(source: str) -> tuple[str, str | None]:
 
 
 def measured_alpha(results_file: str | Path) -> dict[str, float]:
-    """Median per-request α by bench mode ("model", "lookup", ...) from `runtime bench` results.json."""
-    data = json.loads(Path(results_file).read_text())
+    """Median per-request α by bench mode ("model", "lookup", ...) from `runtime bench` results.json.
+    A file that cannot be read or is not JSON is a ValueError naming it (one line on the CLI)."""
+    try:
+        data = json.loads(Path(results_file).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--bench-results {results_file}: {getattr(exc, 'strerror', None) or exc}") from None
     by_mode: dict[str, list[float]] = {}
     stack = [data]
     while stack:

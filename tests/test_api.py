@@ -11,7 +11,7 @@ import pytest
 from edge_spec.sampling import SamplingConfig
 from edge_spec.commit import stop_prefix_len
 from runtime.api import Chunk, Model, Options, QueueFullError, QueueTimeoutError
-from runtime.engine import EngineConfig, GenerateConfig, PromptTooLongError
+from runtime.engine import Engine, EngineConfig, GenerateConfig, PromptTooLongError
 
 PROMPTS = ["the cat sat on", "quick brown fox", "river stone tree", "print def return import", "morning night light"]
 
@@ -405,3 +405,31 @@ def test_a_job_cancelled_while_queued_has_the_same_stats_keys(model):
     assert result.stop_reason == "cancelled"
     assert set(result.stats) >= {"alpha", "acceptance_rate", "tokens_per_pass"}
     assert set(full.stats) - set(result.stats) == set()
+
+
+def test_an_abandoned_engine_stream_does_not_block_other_threads_forever(llama_bundle):
+    """Engine alone (no Model queue): a stream read once and left referenced holds the Engine;
+    another thread waits for it only up to stream_idle_timeout, then gets a clear error, and
+    a stream that is being read is waited for however long it runs."""
+    engine = Engine(llama_bundle, EngineConfig(provider="cpu", threads=1, drafter="none", calibrate=False, stream_idle_timeout=0.5))
+    ids = engine.encode(prompt="the cat sat on")
+    held = engine.stream(ids, GenerateConfig(8))
+    next(held)
+    errors: list = []
+
+    def other():
+        try:
+            engine.generate(ids, GenerateConfig(2))
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    began = time.monotonic()
+    worker = threading.Thread(target=other, daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive() and time.monotonic() - began < 5
+    assert errors and "has not been read for over 0.5 s" in errors[0], errors
+    held.close()
+    assert engine.generate(ids, GenerateConfig(2)).stop_reason in ("length", "eos")
+    with pytest.raises(ValueError, match="stream_idle_timeout"):
+        EngineConfig(stream_idle_timeout=0)

@@ -138,7 +138,7 @@ def test_audit_refuses_bad_arguments_before_loading(tmp_path, extra, message):
     assert message in result.stderr and "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("drafter", ["model", "layer-skip", "lookup"])
+@pytest.mark.parametrize("drafter", ["model", "layer-skip", "lookup", "auto"])
 def test_audit_passes_on_a_tiny_bundle(llama_bundle, drafter):
     prompt = "the cat sat on the mat the cat sat on the"  # repeats, so lookup drafts
     result = _cli("audit", str(llama_bundle), "--prompt", prompt, "--temperature", "1.0", "--draft", drafter,
@@ -146,6 +146,16 @@ def test_audit_passes_on_a_tiny_bundle(llama_bundle, drafter):
     report = json.loads(result.stdout)
     assert report["samples_drafted"] == 1500 and report["rejections"] > 0, report
     assert report["verdict"] == "PASS" and result.returncode == 0, report
+
+
+def test_audit_that_cannot_exercise_the_verifier_exits_non_zero(llama_bundle):
+    """A prompt with nothing to copy: lookup drafts in few samples, so the audit says it
+    could not test speculation and exits 1 instead of passing."""
+    result = _cli("audit", str(llama_bundle), "--prompt", "one two three four five six seven", "--temperature", "1.0",
+                  "--draft", "lookup", "--gamma", "3", "--samples", "100", "--positions", "2", "--json", timeout=300)
+    report = json.loads(result.stdout)
+    assert report["samples_drafted"] < 100 and report["verdict"] == "NOT EXERCISED", report
+    assert result.returncode == 1, report
 
 
 def test_audit_self_test_tells_the_draft_from_the_target(llama_bundle):

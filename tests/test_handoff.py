@@ -78,6 +78,12 @@ def test_cli_prints_a_command_and_refuses_bad_values(llama_bundle, tmp_path):
     out = subprocess.run([sys.executable, "-m", "runtime", "handoff", str(llama_bundle), "--engine", "sglang", "--bench-results",
                           str(results)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "α=0.800" in out.stdout, out.stderr
+    (tmp_path / "broken.json").write_text("{not json")
+    for bad_file in (tmp_path / "missing.json", tmp_path / "broken.json"):
+        out = subprocess.run([sys.executable, "-m", "runtime", "handoff", str(llama_bundle), "--engine", "vllm", "--bench-results",
+                              str(bad_file)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and out.stderr.startswith(f"error: --bench-results {bad_file}"), out.stderr
+        assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
 @pytest.mark.real_weights

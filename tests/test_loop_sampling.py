@@ -17,6 +17,7 @@ import runtime.loop
 from edge_spec.sampling import SamplingConfig, process_logits, sample
 from runtime import audit
 from runtime.drafters.draft_model import DraftModelDrafter
+from runtime.drafters.layer_skip import LayerSkipDrafter
 from runtime.drafters.mixed import MixedDrafter
 from runtime.drafters.prompt_lookup import PromptLookupDrafter
 from runtime.gamma import GammaConfig
@@ -25,8 +26,9 @@ from runtime.policy import RoundPolicy
 from tests.test_loop_toy import VOCAB, ToyLM, ToyRunner
 
 POSITIONS = 2
-SAMPLES = 11000
-ALPHA = 0.002  # per test: 18 tests of the law and a handful of wrong verifiers stay under 5% together
+SAMPLES = 19000  # enough that a TV of 0.02 at the first position is caught (detectable_tv below)
+WRONG_SAMPLES = 6000  # a known-wrong verifier is far off the law: fewer samples show it
+ALPHA = 0.002  # per test: 24 tests of the law and a handful of wrong verifiers stay under 5% together
 CONFIGS = {
     "T1": SamplingConfig(1.0),
     "T0.7-topk20": SamplingConfig(0.7, top_k=20),
@@ -45,6 +47,46 @@ class NoisyLM(ToyLM):
         return self.target.logits(context) + self.noise[int(context[-1])]
 
 
+class ToyTrunkRunner(ToyRunner):
+    """A target split as a layer-skip bundle is: stage 0 (the trunk) writes the KV rows and
+    returns a hidden state, here the whole context each position sees; stage 1 is the draft's
+    head on that hidden state (the noisy model); `forward` finishes the target from the trunk
+    rows a draft already computed, so a stale or misplaced trunk row changes the target's law."""
+
+    def __init__(self, lm: ToyLM, draft_head: ToyLM):
+        super().__init__(lm)
+        self.draft_head = draft_head
+
+    def _rows(self, end: int) -> list[int]:
+        return self.cache.keys[0][0, 0, :end, 0].astype(np.int64).tolist()
+
+    def run_stage(self, index, x, start, logit_positions=None):
+        if index == 0:  # [1,T] ids -> [1,T,1] contexts; KV rows written, the cache's length untouched
+            ids = np.asarray(x[0], dtype=np.int64)
+            past = self._rows(start)
+            new = ids.astype(np.float32).reshape(1, 1, len(ids), 1)
+            self.cache.write_rows(self.cache.layers, [new, new], start)
+            contexts = np.empty((1, len(ids), 1), dtype=object)
+            for i in range(len(ids)):
+                contexts[0, i, 0] = tuple(past + ids[: i + 1].tolist())
+            return contexts
+        rows = np.stack([self.draft_head.logits(list(c)) for c in x[0, :, 0]])  # the draft's head
+        return rows[None, logit_positions]  # [1,N,V]
+
+    def forward(self, token_ids, n_logits=None, trunk_hidden=None):
+        token_ids = np.asarray(token_ids, dtype=np.int64)
+        block, start = len(token_ids), self.cache.kv_len
+        self.cache.check_room(start, block)
+        done = 0 if trunk_hidden is None else trunk_hidden.shape[1]
+        contexts = [] if trunk_hidden is None else list(trunk_hidden[0, :, 0])
+        if done < block:
+            contexts += list(self.run_stage(0, token_ids[None, done:], start + done)[0, :, 0])
+        self.cache.extend(token_ids)
+        self.fed.append(block)
+        n_logits = block if n_logits is None else n_logits
+        return np.stack([self.lm.logits(list(c)) for c in contexts])[block - n_logits :]  # [N,V]
+
+
 def _copy_prompt(lm: ToyLM) -> list[int]:
     """[7, 21, y, 4, 9, 33, 7, 21]: prompt lookup proposes y, and y is the toy target's most
     likely next token there, so copies are accepted often and rejected often."""
@@ -56,18 +98,21 @@ def _copy_prompt(lm: ToyLM) -> list[int]:
 PROMPT = _copy_prompt(ToyLM(5))
 
 
-def _drafter(kind: str, lm: ToyLM):
+def _target_and_drafter(kind: str, lm: ToyLM):
+    if kind == "layer-skip":  # the draft runs the target's own trunk and writes its cache
+        target = ToyTrunkRunner(lm, NoisyLM(lm))
+        return target, LayerSkipDrafter(target)
     if kind == "lookup":
-        return PromptLookupDrafter()
+        return ToyRunner(lm), PromptLookupDrafter()
     model = DraftModelDrafter(ToyRunner(NoisyLM(lm)))
-    return model if kind == "model" else MixedDrafter(PromptLookupDrafter(), model)
+    return ToyRunner(lm), model if kind == "model" else MixedDrafter(PromptLookupDrafter(), model)
 
 
 def loop_samples(kind: str, sampling: SamplingConfig, gamma: int, n: int = SAMPLES, seed: int = 0):
     """n runs of decode_steps at fixed γ; the first POSITIONS tokens of each and what the
     rounds that produced them did."""
     lm = ToyLM(5)
-    target, drafter = ToyRunner(lm), _drafter(kind, lm)
+    target, drafter = _target_and_drafter(kind, lm)
     policy = RoundPolicy().start(drafter, config=GammaConfig(fixed=gamma))
     rows, drafted, samples_drafted, rejections, residual = [], 0, 0, 0, 0
     for i in range(n):
@@ -94,20 +139,19 @@ def exact_law(lm: ToyLM, samples: np.ndarray, sampling: SamplingConfig) -> dict:
             for prefix in audit.observed_prefixes(samples)}
 
 
-def run_audit(kind: str, sampling: SamplingConfig, gamma: int) -> audit.AuditReport:
-    samples, run, lm = loop_samples(kind, sampling, gamma)
-    config = audit.AuditConfig(SAMPLES, POSITIONS, ALPHA, seed=1)
+def run_audit(kind: str, sampling: SamplingConfig, gamma: int, n: int = SAMPLES) -> audit.AuditReport:
+    samples, run, lm = loop_samples(kind, sampling, gamma, n)
+    config = audit.AuditConfig(n, POSITIONS, ALPHA, seed=1)
     return audit.audit_exact(samples, run, exact_law(lm, samples, sampling), config, kind, str(gamma))
 
 
 @pytest.mark.parametrize("gamma", [1, 3])
 @pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("kind", ["model", "lookup", "auto"])
+@pytest.mark.parametrize("kind", ["model", "layer-skip", "lookup", "auto"])
 def test_loop_samples_follow_the_target_law(kind, config, gamma):
     report = run_audit(kind, CONFIGS[config], gamma)
     assert report.exercised, report.lines()
-    # At 11,000 samples: 0.026 at T = 1, where p's top two hold 0.47 and 0.29 (mass moved between them).
-    assert report.detectable_tv is not None and report.detectable_tv <= 0.03, report.lines()
+    assert report.detectable_tv is not None and report.detectable_tv <= 0.02, report.lines()
     assert report.passed, report.lines()
 
 
@@ -142,7 +186,7 @@ def _greedy_acceptance(target_probs, draft_probs, draft_tokens, rng):
 @pytest.mark.parametrize("wrong", [_resample_from_p, _residual_without_clamp, _greedy_acceptance], ids=lambda f: f.__name__.strip("_"))
 def test_a_wrong_verifier_fails_the_test(monkeypatch, wrong):
     monkeypatch.setattr(runtime.loop, "verify_stochastic", wrong)
-    report = run_audit("model", CONFIGS["T1"], 3)
+    report = run_audit("model", CONFIGS["T1"], 3, WRONG_SAMPLES)
     assert report.exercised
     assert not report.passed, report.lines()
 
@@ -157,7 +201,7 @@ def test_q_processed_unlike_p_fails_the_test(monkeypatch):
         return token, process_logits(logits, SamplingConfig(1.0))
 
     monkeypatch.setattr(draft_model, "pick_token", pick)
-    report = run_audit("model", CONFIGS["T0.7-topk20"], 3)
+    report = run_audit("model", CONFIGS["T0.7-topk20"], 3, WRONG_SAMPLES)
     assert report.exercised
     assert not report.passed, report.lines()
 
@@ -172,6 +216,24 @@ def test_lookup_resampling_the_rejected_token_fails_the_test(monkeypatch):
         return len(draft_tokens), sample(target_probs[len(draft_tokens)], rng)
 
     monkeypatch.setattr(runtime.loop, "verify_deterministic", wrong)
-    report = run_audit("lookup", CONFIGS["T1"], 3)
+    report = run_audit("lookup", CONFIGS["T1"], 3, WRONG_SAMPLES)
+    assert report.exercised
+    assert not report.passed, report.lines()
+
+
+def test_layer_skip_verify_reusing_a_stale_trunk_row_fails_the_test(monkeypatch):
+    """The verify pass must finish the target from the trunk rows of the drafted tokens: reusing
+    the first drafted position's trunk output for every one of them changes the law."""
+    original = LayerSkipDrafter.propose
+
+    def stale(self, tokens, gamma, sampling, rng):
+        proposal = original(self, tokens, gamma, sampling, rng)
+        if proposal is not None:
+            for i in range(1, proposal.trunk_hidden.shape[1]):
+                proposal.trunk_hidden[0, i, 0] = proposal.trunk_hidden[0, 0, 0]
+        return proposal
+
+    monkeypatch.setattr(LayerSkipDrafter, "propose", stale)
+    report = run_audit("layer-skip", CONFIGS["T1"], 3, WRONG_SAMPLES)
     assert report.exercised
     assert not report.passed, report.lines()

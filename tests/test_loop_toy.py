@@ -545,3 +545,10 @@ def test_tokens_per_pass_matches_formula(alpha, gamma):
     rejections = sum(s.n_accepted < s.n_drafted for s in steps)
     mle = accepted.sum() / (accepted.sum() + rejections)
     assert abs(mle - alpha) < 0.04
+
+
+@pytest.mark.parametrize("kwargs", [{"max_gamma": 0}, {"max_gamma": -1}, {"fixed": 0}, {"fixed": -2}])
+def test_gamma_config_refuses_what_adaptive_gamma_cannot_use(kwargs):
+    """--max-gamma 0 with adaptive γ used to reach np.argmax of an empty list; a negative γ ran."""
+    with pytest.raises(ValueError, match="gamma must be 1"):
+        GammaConfig(**kwargs)

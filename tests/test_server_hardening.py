@@ -347,23 +347,37 @@ def test_shutdown_lets_streams_finish_until_the_deadline(llama_bundle, deadline,
         m.close()
 
 
+def _serving_port(proc, timeout: float = 60.0) -> int:
+    """The port from serve's "serving ... on http://127.0.0.1:PORT/v1" line, read within a time bound."""
+    import selectors
+
+    selector = selectors.DefaultSelector()
+    selector.register(proc.stdout, selectors.EVENT_READ)
+    if not selector.select(timeout):
+        proc.kill()
+        pytest.fail(f"serve printed nothing in {timeout} s: {proc.stderr.read()}")
+    line = proc.stdout.readline()
+    assert "serving" in line, proc.stderr.read()
+    return int(line.split("http://127.0.0.1:")[1].split("/")[0])
+
+
+def _wait_healthy(port: int, request_id: str = "probe-1"):
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return request(port, "GET", "/health", timeout=2, headers={"X-Request-Id": request_id})
+        except OSError:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+
+
 def test_sigterm_exits_zero(llama_bundle, tmp_path):
     cmd = [sys.executable, "-m", "runtime", "serve", str(llama_bundle), "--provider", "cpu", "--threads", "1",
            "--port", "0", "--draft", "none"]
     env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        line = proc.stdout.readline()  # the "serving ... on http://127.0.0.1:PORT/v1" line
-        assert "serving" in line, proc.stderr.read()
-        port = int(line.split("http://127.0.0.1:")[1].split("/")[0])
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                status, headers, _ = request(port, "GET", "/health", timeout=2, headers={"X-Request-Id": "probe-1"})
-                break
-            except OSError:
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+        status, headers, _ = _wait_healthy(_serving_port(proc))
         assert status == 200 and headers["x-request-id"] == "probe-1"
         proc.terminate()
         assert proc.wait(timeout=30) == 0
@@ -371,6 +385,83 @@ def test_sigterm_exits_zero(llama_bundle, tmp_path):
         assert "Traceback" not in err
         # the access-log line of that request, with its id
         assert any('"GET /health HTTP/1.1" 200' in line and "id=probe-1" in line for line in err.splitlines()), err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_api_key_file_with_several_keys_end_to_end(llama_bundle, tmp_path):
+    """`serve --api-key-file`: every key in the file (one a non-ASCII one) authenticates,
+    the comment and blank lines are not keys, a wrong key is refused."""
+    keys = tmp_path / "keys"
+    keys.write_text("# keys for the test\nsk-first\n\nsk-second-ключ\n", encoding="utf-8")
+    cmd = [sys.executable, "-m", "runtime", "serve", str(llama_bundle), "--provider", "cpu", "--threads", "1",
+           "--port", "0", "--draft", "none", "--api-key-file", str(keys)]
+    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        port = _serving_port(proc)
+        _wait_healthy(port)
+        assert request(port, "GET", "/v1/models", key="sk-first")[0] == 200
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        try:
+            conn.putrequest("GET", "/v1/models")
+            conn.putheader("Authorization", "Bearer sk-second-ключ".encode("utf-8"))
+            conn.endheaders()
+            assert conn.getresponse().status == 200
+        finally:
+            conn.close()
+        for wrong in ("sk-third", "# keys for the test", "sk-second-"):
+            assert request(port, "GET", "/v1/models", key=wrong)[0] == 401, wrong
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+# `python -m runtime serve` with every target pass slowed down, so a stream is still running
+# when the signal comes; everything else (signal handling, deadline, exit status) is the real CLI's.
+_SLOW_SERVE = """
+import sys, time
+from runtime.model import ModelRunner
+forward = ModelRunner.forward
+def slow(self, *args, **kwargs):
+    time.sleep(0.25)
+    return forward(self, *args, **kwargs)
+ModelRunner.forward = slow
+from runtime.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_during_a_stream_ends_it_with_a_last_chunk_and_exits_zero(llama_bundle):
+    cmd = [sys.executable, "-c", _SLOW_SERVE, "serve", str(llama_bundle), "--provider", "cpu", "--threads", "1",
+           "--port", "0", "--draft", "none", "--api-key", KEY, "--shutdown-timeout", "1"]
+    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        port = _serving_port(proc)
+        _wait_healthy(port)
+        events: list = []
+        client = threading.Thread(target=_stream_events, args=(port, {"prompt": "the cat", "max_tokens": 40}, events), daemon=True)
+        client.start()
+        began = time.monotonic()
+        while len(events) < 3 and time.monotonic() - began < 20:  # the status and two chunks: it is streaming
+            time.sleep(0.05)
+        assert len(events) >= 3, events
+        signalled = time.monotonic()
+        proc.terminate()
+        client.join(timeout=20)
+        assert not client.is_alive()
+        assert events[0] == 200 and events[-1] == "[DONE]", events
+        last = json.loads(events[-2])
+        assert last["choices"][0]["finish_reason"] == "abort", last
+        assert proc.wait(timeout=30) == 0
+        assert time.monotonic() - signalled < 15  # the 1 s deadline, not the 40 tokens (10 s)
+        assert "Traceback" not in proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()
