@@ -23,6 +23,27 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """Tests on real weights run last: the bundles they need are exported in the background
+    while the unit tests run (pytest_collection_finish)."""
+    real_items = [item for item in items if item.get_closest_marker("real_weights")]
+    items[:] = [item for item in items if not item.get_closest_marker("real_weights")] + real_items
+
+
+def pytest_collection_finish(session):
+    """After deselection (-m, -k): only a session that will run real-weight tests exports."""
+    if any(item.get_closest_marker("real_weights") for item in session.items):
+        import real
+
+        real.start_exports()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import real
+
+    real.stop_exports()
+
+
 @dataclass(frozen=True)
 class TinyModels:
     root: Path

@@ -12,6 +12,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -90,21 +91,121 @@ def _bundle_path(name: str) -> Path:
     return bundles_root() / f"{name}-{_exporter_hash()}"
 
 
+def _config(name: str) -> str:
+    model, quant, drafts, max_context, attention, device = REAL_BUNDLES[name]
+    return (f"ExportConfig({model!r}, Path({str(_bundle_path(name))!r}), {quant!r}, {max_context}, {drafts!r}, force=True, "
+            f"attention={attention!r}, device={device!r}, draft_vocab={DRAFT_VOCAB.get(name)!r})")
+
+
+def _export_script(names: list[str]) -> str:
+    """One process exporting `names`, each model's bundles in one export_bundles call (its
+    checkpoint opened once); the bundle appears whole or not at all (export writes DIR.partial)."""
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        groups.setdefault(REAL_BUNDLES[n][0], []).append(n)
+    calls = "\n".join("export_bundles([" + ", ".join(_config(n) for n in group) + "])" for group in groups.values())
+    return "from pathlib import Path\nfrom export.bundle import ExportConfig, export_bundles\n" + calls
+
+
+def missing_bundles() -> list[str]:
+    return [n for n in REAL_BUNDLES if not (_bundle_path(n) / "manifest.json").is_file()]
+
+
+# Background exports this process started (start_exports). Which bundle a worker is writing is
+# told through a file beside it (NAME.worker: its pid and log), since the tests import this
+# module under two names (real, tests.real).
+_WORKERS: list[subprocess.Popen] = []
+
+# Rough export cost in minutes on two cores, to share the bundles between the workers.
+_COST = {"qwen2.5-coder-1.5b": 6.0, "gemma-3-270m": 1.0, "smollm2-135m": 0.3}
+
+
+def start_exports(workers: int = 2) -> None:
+    """Export every missing bundle in `workers` background processes while the session runs its
+    other tests. An export runs on one core, so on two cores two of them (or one and the unit
+    tests) finish in about half the time; bundle() waits for the one it needs."""
+    if _WORKERS or not all((models_dir() / f).is_file() for f in (QWEN_TARGET, QWEN_DRAFT, SMOLLM2, GEMMA3)):
+        return
+    todo = [n for n in missing_bundles() if not _being_exported(n)]
+    if not todo:
+        return
+    # Cheapest models first, so the tests that need them can start early; the heaviest bundles
+    # go to the least loaded worker.
+    todo.sort(key=lambda n: _COST.get(REAL_BUNDLES[n][0], 1.0))
+    shares: list[list[str]] = [[] for _ in range(workers)]
+    loads = [0.0] * workers
+    for n in sorted(todo, key=lambda n: -_COST.get(REAL_BUNDLES[n][0], 1.0)):
+        i = loads.index(min(loads))
+        shares[i].append(n)
+        loads[i] += _COST.get(REAL_BUNDLES[n][0], 1.0)
+    bundles_root().mkdir(parents=True, exist_ok=True)
+    for i, share in enumerate(s for s in shares if s):
+        share.sort(key=todo.index)
+        log = bundles_root() / f"export-worker-{i}.log"
+        with open(log, "w") as out:
+            proc = subprocess.Popen([sys.executable, "-c", _export_script(share)], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        _WORKERS.append(proc)
+        for n in share:
+            _worker_file(n).write_text(f"{proc.pid}\n{log}\n")
+
+
+def _worker_file(name: str) -> Path:
+    return _bundle_path(name).with_name(_bundle_path(name).name + ".worker")
+
+
+def _being_exported(name: str) -> bool:
+    """A live worker (of this or another session) is writing it: leave it to that one."""
+    worker = _worker_file(name)
+    return worker.is_file() and _alive(int(worker.read_text().split("\n")[0] or 0))
+
+
+def _alive(pid: int) -> bool:
+    """The export worker `pid` is still running (not exited, not a zombie, not a reused pid)."""
+    try:
+        status = Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0]
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, IndexError):
+        return False
+    return status != "Z" and b"export_bundles" in command
+
+
+def stop_exports() -> None:
+    """End the background exports this session started (a bundle being written is left as
+    DIR.partial, which the next export removes)."""
+    for proc in _WORKERS:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    _WORKERS.clear()
+
+
 def bundle(name: str) -> Path:
     """A real bundle, exported once per exporter version through the export package, in a
-    child process (its checkpoints' memory is returned before the tests load anything).
-    Every missing bundle of the same target is built in that one process, so each
-    checkpoint is loaded once."""
+    child process (its checkpoints' memory is returned before the tests load anything): the
+    session's background worker's (start_exports), waited for, or else one exporting every
+    missing bundle of the same target, so each checkpoint is opened once."""
     out = _bundle_path(name)
-    if not (out / "manifest.json").is_file():
-        model = REAL_BUNDLES[name][0]
-        todo = [n for n, spec in REAL_BUNDLES.items() if spec[0] == model and not (_bundle_path(n) / "manifest.json").is_file()]
-        configs = [
-            f"ExportConfig({REAL_BUNDLES[n][0]!r}, Path({str(_bundle_path(n))!r}), {REAL_BUNDLES[n][1]!r}, {REAL_BUNDLES[n][3]}, {REAL_BUNDLES[n][2]!r}, force=True, attention={REAL_BUNDLES[n][4]!r}, device={REAL_BUNDLES[n][5]!r}, draft_vocab={DRAFT_VOCAB.get(n)!r})"
-            for n in todo
-        ]
-        script = "from pathlib import Path\nfrom export.bundle import ExportConfig, export_bundles\nexport_bundles([" + ", ".join(configs) + "])"
-        subprocess.run([sys.executable, "-c", script], cwd=ROOT, check=True)
+    if (out / "manifest.json").is_file():
+        return out
+    worker = _worker_file(name)
+    if worker.is_file():
+        pid, log = worker.read_text().split("\n")[:2]
+        waited = False
+        while _alive(int(pid)) and not (out / "manifest.json").is_file():
+            waited = True
+            time.sleep(2)
+        worker.unlink(missing_ok=True)
+        if (out / "manifest.json").is_file():
+            return out
+        if waited:  # else the file was left by an earlier session: export here
+            tail = Path(log).read_text(errors="replace").splitlines()[-20:] if Path(log).is_file() else []
+            pytest.fail(f"the background export of {name} ended without it:\n" + "\n".join(tail))
+    model = REAL_BUNDLES[name][0]
+    todo = [n for n in missing_bundles() if REAL_BUNDLES[n][0] == model]
+    subprocess.run([sys.executable, "-c", _export_script(todo)], cwd=ROOT, check=True)
     return out
 
 
