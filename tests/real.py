@@ -3,7 +3,9 @@
 Without the files these tests skip, naming the file and how to get it; CI sets
 EDGE_SPEC_REQUIRE_MODELS=1 so that a missing file fails instead. Bundles are cached under
 $EDGE_SPEC_BUNDLES (default ~/.cache/edge-spec/bundles), keyed by a hash of the code that
-decides their bytes, so a change there rebuilds them.
+decides their bytes, so a change there rebuilds them. A session that will run real-weight tests
+exports the missing bundles in two background processes from its start (conftest.py), and runs
+those tests after the unit tests.
 """
 
 from __future__ import annotations

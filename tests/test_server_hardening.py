@@ -276,12 +276,17 @@ def test_total_connections_are_limited(model):
 def test_several_keys_and_non_ascii_keys_match(fast):
     _, port = fast
     assert request(port, "GET", "/v1/models")[0] == 200
+    assert _status_with_utf8_key(port, "sk-second-ключ") == 200
+
+
+def _status_with_utf8_key(port: int, key: str) -> int:
+    """GET /v1/models with the key sent as the UTF-8 bytes a client would send."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    try:  # the key sent as the UTF-8 bytes a client would send
+    try:
         conn.putrequest("GET", "/v1/models")
-        conn.putheader("Authorization", "Bearer sk-second-ключ".encode("utf-8"))
+        conn.putheader("Authorization", f"Bearer {key}".encode("utf-8"))
         conn.endheaders()
-        assert conn.getresponse().status == 200
+        return conn.getresponse().status
     finally:
         conn.close()
 
@@ -404,14 +409,7 @@ def test_api_key_file_with_several_keys_end_to_end(llama_bundle, tmp_path):
         port = _serving_port(proc)
         _wait_healthy(port)
         assert request(port, "GET", "/v1/models", key="sk-first")[0] == 200
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-        try:
-            conn.putrequest("GET", "/v1/models")
-            conn.putheader("Authorization", "Bearer sk-second-ключ".encode("utf-8"))
-            conn.endheaders()
-            assert conn.getresponse().status == 200
-        finally:
-            conn.close()
+        assert _status_with_utf8_key(port, "sk-second-ключ") == 200
         for wrong in ("sk-third", "# keys for the test", "sk-second-"):
             assert request(port, "GET", "/v1/models", key=wrong)[0] == 401, wrong
         proc.terminate()
@@ -479,7 +477,13 @@ def test_request_ids_access_log_and_histograms(model, caplog):
                                          headers={"X-Request-Id": "bad id with spaces"})
             generated = headers["x-request-id"]
             assert status == 200 and len(generated) == 32 and generated != "bad id with spaces"
-        lines = [r.getMessage() for r in caplog.records if r.name == "edge_spec.access"]
+            # A stream's line is written once its last chunk is sent, which can be after the client has read it.
+            began = time.monotonic()
+            while True:
+                lines = [r.getMessage() for r in caplog.records if r.name == "edge_spec.access"]
+                if any(f"id={generated}" in line for line in lines) or time.monotonic() - began > 10:
+                    break
+                time.sleep(0.05)
         assert any('"POST /v1/completions HTTP/1.1" 200' in line and "id=req-42" in line for line in lines), lines
         assert any(f"id={generated}" in line for line in lines), lines
         _, _, text = request(port, "GET", "/metrics")

@@ -149,9 +149,9 @@ def trimmed_draft(monkeypatch):
 
     def make(kind, lm):
         runners.append(TrimmedRunner(loop_sampling.NoisyLM(lm)))
-        return DraftModelDrafter(runners[-1])
+        return loop_sampling.ToyRunner(lm), DraftModelDrafter(runners[-1])
 
-    monkeypatch.setattr(loop_sampling, "_drafter", make)
+    monkeypatch.setattr(loop_sampling, "_target_and_drafter", make)
     return runners
 
 
