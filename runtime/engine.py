@@ -88,7 +88,7 @@ class EngineConfig:
     memory_budget: int | None = None  # bytes: refuse, before loading, a plan (edge_spec.budget) that exceeds it
     profile_prefix: str | None = None  # ONNX Runtime profiling into files with this prefix (which provider ran each node)
     # Every target pass scores at least 2 positions, so no logit depends on whether its token
-    # was drafted: greedy output is the same for every drafter and γ at any quantization
+    # was drafted: greedy output is the same for every drafter and γ (measured at int8 and int4)
     # (runtime/model.py; the cost is in BENCHMARKS.md).
     block_stable: bool = False
     # Tokens of earlier sequences the suffix drafters (suffix, auto+suffix) keep to copy from.
