@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = sub.add_parser("bench", help="decode benchmark of several modes, side by side; writes JSON, Markdown and plots")
     bench.add_argument("bundle")
-    bench.add_argument("--prompts", default="humaneval:20", help="FILE.jsonl, humaneval[:N], humaneval:A-B or stdlib-edit:N; several, comma-separated")
+    bench.add_argument("--prompts", default="humaneval:20", help="FILE.jsonl, humaneval[:N], humaneval:A-B, stdlib-edit:N or stdlib-edit:A-B; several, comma-separated")
     bench.add_argument("--modes", default="plain,model,lookup,layer-skip,auto", help="comma-separated (plain is always run)")
     bench.add_argument("--max-new-tokens", type=_integer(1), default=128)
     bench.add_argument("--repeat", type=_integer(1), default=1, help="passes over all prompts, interleaved")

@@ -119,7 +119,7 @@ def plan(manifest: Manifest, engine: str, method: str = "auto", alpha: float | N
     if engine == "vllm":
         spec = ({"method": "draft_model", "model": draft, "num_speculative_tokens": gamma} if method == "draft" else
                 {"method": "ngram", "num_speculative_tokens": gamma, "prompt_lookup_min": lookup.min_ngram,
-                 "prompt_lookup_max": lookup.max_ngram})
+                 "prompt_lookup_max": lookup.max_match})
         argv = ["vllm", "serve", target, "--host", "0.0.0.0", "--port", str(port), "--max-model-len", str(context),
                 "--speculative-config", json.dumps(spec, separators=(",", ":"))]
     else:
@@ -129,7 +129,7 @@ def plan(manifest: Manifest, engine: str, method: str = "auto", alpha: float | N
         else:
             spec = {"speculative-algorithm": "NGRAM", "speculative-num-draft-tokens": gamma,
                     "speculative-ngram-min-match-window-size": lookup.min_ngram,
-                    "speculative-ngram-max-match-window-size": lookup.max_ngram}
+                    "speculative-ngram-max-match-window-size": lookup.max_match}
         argv = ["python", "-m", "sglang.launch_server", "--model-path", target, "--host", "0.0.0.0", "--port", str(port),
                 "--context-length", str(context)]
         for name, value in spec.items():

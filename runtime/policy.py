@@ -148,61 +148,71 @@ class LossLedger:
 
 class PartPolicy:
     """γ for one drafter (one part of a mixed drafter): the argmax of the expected speedup over
-    γ, read from its α estimate, its probe schedule and its loss ledger."""
+    γ, read from its α estimate for the round's evidence class, its probe schedule and its loss
+    ledger. The evidence class is what the drafter reports about the round it would draft
+    (`Drafter.evidence`): a copy resting on a 20-token match is accepted far more often than one
+    resting on 2 tokens, so each class learns its own α and earns its own γ."""
 
     def __init__(self, config: GammaConfig, costs: CostModel, prior_alpha: float = 0.6):
         self.config = config
         self.costs = costs
-        self.estimate = AlphaEstimate(prior_alpha, config.decay)
+        self.prior_alpha = prior_alpha
+        self.estimates: dict[int, AlphaEstimate] = {}
         self.probes = ProbeSchedule(config)
         self.ledger = LossLedger(config.max_loss, costs)
         self.start()
 
-    @property
-    def alpha(self) -> float:
-        return self.estimate.value
+    def estimate(self, evidence: int = 0) -> AlphaEstimate:
+        if evidence not in self.estimates:
+            self.estimates[evidence] = AlphaEstimate(self.prior_alpha, self.config.decay)
+        return self.estimates[evidence]
+
+    def alpha(self, evidence: int = 0) -> float:
+        return self.estimate(evidence).value
 
     def start(self, horizon_tokens: int = 256) -> None:
         """A new sequence of up to horizon_tokens: probe soon again (α carries over as a prior,
         decayed by its rounds), and open a new loss ledger."""
         self.probes.start()
         self.ledger.start(horizon_tokens)
-        self.estimate.carry_over(self.config.prior_weight)
+        for estimate in self.estimates.values():
+            estimate.carry_over(self.config.prior_weight)
 
     def round_cost(self, gamma: int, draft_step_cost: float, replay_seconds: float = 0.0) -> float:
         return replay_seconds + gamma * draft_step_cost + self.costs.target_cost(gamma + 1)
 
-    def expected_speedup(self, gamma: int, draft_step_cost: float, replay_seconds: float = 0.0) -> float:
+    def expected_speedup(self, gamma: int, draft_step_cost: float, replay_seconds: float = 0.0, evidence: int = 0) -> float:
         if gamma == 0:
             return 1.0
-        tokens = expected_tokens_per_pass(self.alpha, gamma)
+        tokens = expected_tokens_per_pass(self.alpha(evidence), gamma)
         return tokens * self.costs.target_cost(1) / self.round_cost(gamma, draft_step_cost, replay_seconds)
 
     def worst_loss(self, gamma: int, draft_step_cost: float, replay_seconds: float = 0.0) -> float:
         """What the round loses against a plain step if the target rejects every drafted token."""
         return self.round_cost(gamma, draft_step_cost, replay_seconds) - self.costs.target_cost(1)
 
-    def _gains(self, draft_step_cost: float, replay_seconds: float) -> dict[int, float]:
+    def _gains(self, draft_step_cost: float, replay_seconds: float, evidence: int) -> dict[int, float]:
         """Expected speedup of a plain step (γ 0) and of every γ whose worst case the ledger affords."""
         room = self.ledger.room()
         affordable = [g for g in range(1, self.config.max_gamma + 1) if self.worst_loss(g, draft_step_cost, replay_seconds) <= room]
-        return {g: self.expected_speedup(g, draft_step_cost, replay_seconds) for g in [0, *affordable]}
+        return {g: self.expected_speedup(g, draft_step_cost, replay_seconds, evidence) for g in [0, *affordable]}
 
-    def best_gain(self, draft_step_cost: float, replay_seconds: float = 0.0) -> float:
+    def best_gain(self, draft_step_cost: float, replay_seconds: float = 0.0, evidence: int = 0) -> float:
         """The expected speedup of the best round this part could draft now (1.0: none pays)."""
         if self.config.fixed is not None:
-            return self.expected_speedup(self.config.fixed, draft_step_cost, replay_seconds)
-        return max(self._gains(draft_step_cost, replay_seconds).values())
+            return self.expected_speedup(self.config.fixed, draft_step_cost, replay_seconds, evidence)
+        return max(self._gains(draft_step_cost, replay_seconds, evidence).values())
 
-    def choose(self, draft_step_cost: float, replay_seconds: float = 0.0) -> int:
+    def choose(self, draft_step_cost: float, replay_seconds: float = 0.0, evidence: int = 0) -> int:
         """γ for the next round (0: a plain target step), given the seconds of one draft step
-        (0 for copying drafters) and of replaying what the drafter missed before it can draft
-        (a draft model after plain or copy rounds): this round pays for it. Only a γ whose
-        worst case the ledger can afford is considered: a long first round on a prior carried
-        over from other text must not spend the whole sequence's room at once."""
+        (0 for copying drafters), of replaying what the drafter missed before it can draft
+        (a draft model after plain or copy rounds: this round pays for it), and the round's
+        evidence class. Only a γ whose worst case the ledger can afford is considered: a long
+        first round on a prior carried over from other text must not spend the whole
+        sequence's room at once."""
         if self.config.fixed is not None:
             return self.config.fixed
-        gains = self._gains(draft_step_cost, replay_seconds)
+        gains = self._gains(draft_step_cost, replay_seconds, evidence)
         affordable = [g for g in gains if g]
         if not affordable:
             return 0
@@ -216,12 +226,12 @@ class PartPolicy:
             return max(affordable, key=lambda g: gains[g])
         return 0
 
-    def update(self, n_drafted: int, n_accepted: int) -> None:
+    def update(self, n_drafted: int, n_accepted: int, evidence: int = 0) -> None:
         """The outcome of a round this drafter drafted (nothing drafted: no information)."""
         if n_drafted == 0:
             return
         self.probes.outcome(n_drafted, n_accepted)
-        self.estimate.update(n_drafted, n_accepted)
+        self.estimate(evidence).update(n_drafted, n_accepted)
 
 
 class RoundPolicy:
@@ -238,6 +248,7 @@ class RoundPolicy:
         self.drafter: Drafter | None = None
         self.parts: dict[str, PartPolicy] = {}  # this sequence's, by part name
         self._priced: set[str] = set()  # this sequence's parts whose draft steps the cost model times
+        self._evidence = 0  # the evidence class of the round last chosen, which observe() learns α for
 
     def start(self, drafter: Drafter | None, horizon_tokens: int = 256, config: GammaConfig = GammaConfig()) -> "RoundPolicy":
         """A new sequence of up to horizon_tokens, drafted by `drafter` (None: plain decoding)."""
@@ -259,11 +270,11 @@ class RoundPolicy:
         must not take every round from a draft model that is doing better."""
         if self.drafter is None:
             return None, 0
-        part = self.drafter
-        if isinstance(part, Selects):
-            options = part.candidates(tokens)
-            part = max(options, key=lambda p: self.parts[p.name].best_gain(*self._costs_of(p, tokens)))
-        return part, self.parts[part.name].choose(*self._costs_of(part, tokens))
+        options = self.drafter.candidates(tokens) if isinstance(self.drafter, Selects) else [self.drafter]
+        evidence = {p.name: p.evidence(tokens) for p in options}
+        part = max(options, key=lambda p: self.parts[p.name].best_gain(*self._costs_of(p, tokens), evidence[p.name]))
+        self._evidence = evidence[part.name]
+        return part, self.parts[part.name].choose(*self._costs_of(part, tokens), self._evidence)
 
     def _costs_of(self, part: Drafter, tokens) -> tuple[float, float]:
         """Seconds of one draft step of `part` and of its replay before it can draft after `tokens`."""
@@ -280,7 +291,7 @@ class RoundPolicy:
         if not done.n_drafted:
             return
         part = self.parts[done.drafter]
-        part.update(done.n_drafted, done.n_accepted)
+        part.update(done.n_drafted, done.n_accepted, self._evidence)
         part.ledger.record(done.round_s, done.n_committed)
         if done.drafter in self._priced:
             self.costs.record_draft(done.drafter, done.n_drafted, done.draft_s - done.catch_up_s)

@@ -39,15 +39,30 @@ def test_a_log_without_timings_is_an_error_that_shows_the_log():
         parse_speculative_log("E failed to initialize speculative decoding")
 
 
-def test_summary_ratios_are_per_prompt_medians():
-    speeds = {"p1": {"edge-plain": 20.0, "edge-auto": 30.0, "llama-ngram": 25.0},
-              "p2": {"edge-plain": 18.0, "edge-auto": 20.0, "llama-ngram": 40.0},
-              "p3": {"edge-plain": 19.0, "edge-auto": 38.0, "llama-ngram": 19.0}}
-    runs = [{"category": "code", "prompt_id": pid, "config": config, "tokens_per_s": v, "acceptance_rate": None}
+def _runs(category: str, speeds: dict) -> tuple[list[dict], list[str]]:
+    """Rows as run_anchors records them, from {prompt: {config: tokens/s}}, and the configs."""
+    runs = [{"category": category, "prompt_id": pid, "config": config, "tokens_per_s": v, "acceptance_rate": None}
             for pid, row in speeds.items() for config, v in row.items()]
-    configs = ["edge-plain", "edge-auto", "llama-ngram"]
+    return runs, list(next(iter(speeds.values())))
+
+
+def test_summary_ratios_are_per_prompt_medians():
+    runs, configs = _runs("code", {"p1": {"edge-plain": 20.0, "edge-auto": 30.0, "llama-ngram": 25.0},
+                                   "p2": {"edge-plain": 18.0, "edge-auto": 20.0, "llama-ngram": 40.0},
+                                   "p3": {"edge-plain": 19.0, "edge-auto": 38.0, "llama-ngram": 19.0}})
     summary = summarize(runs, configs)
     assert summary["code"]["llama-ngram"]["tokens_per_s"] == 25.0
     assert summary["code"]["llama-ngram"]["edge_auto_over_this"] == pytest.approx(1.2)  # median of 1.2, 0.5, 2.0
     table = report({"summary": summary, "runs": runs, "configs": configs, "max_new_tokens": 128})
     assert any(line.startswith("| llama-ngram | 25.0") and "| 1.20 |" in line for line in table)
+
+
+def test_summary_compares_with_the_fastest_llama_configuration_of_each_prompt():
+    runs, configs = _runs("edit", {"p1": {"edge-auto": 30.0, "llama-plain": 22.0, "llama-ngram": 25.0},
+                                   "p2": {"edge-auto": 20.0, "llama-plain": 15.0, "llama-ngram": 40.0},
+                                   "p3": {"edge-auto": 38.0, "llama-plain": 40.0, "llama-ngram": 19.0}})
+    best = summarize(runs, configs)["edit"]["llama-best"]
+    assert best["tokens_per_s"] == 40.0 and best["runs"] == 3
+    assert best["edge_auto_over_this"] == pytest.approx(38 / 40)  # median of 1.2, 0.5, 0.95
+    table = report({"summary": summarize(runs, configs), "runs": runs, "configs": configs, "max_new_tokens": 128})
+    assert "| best llama.cpp per prompt | 40.0 | – | 0.95 | – |" in table

@@ -300,10 +300,10 @@ def test_each_drafter_choice_learns_its_own_alpha(llama_bundle):
     engine.generate(ids, GenerateConfig(12, SamplingConfig()))
     fixed = GammaConfig(fixed=2, max_gamma=engine.config.max_gamma)
     model_alone = engine.policy.start(engine.drafter, 12, fixed).parts["model"]
-    learned = (model_alone.estimate.n_accepted, model_alone.estimate.n_rejected)
+    learned = (model_alone.estimate().n_accepted, model_alone.estimate().n_rejected)
     engine.use_drafter("auto", gamma=2)
     auto_model = engine.policy.start(engine.drafter, 12, fixed).parts["model"]
-    assert auto_model is not model_alone and (auto_model.estimate.n_accepted, auto_model.estimate.n_rejected) != learned
+    assert auto_model is not model_alone and (auto_model.estimate().n_accepted, auto_model.estimate().n_rejected) != learned
     engine.generate(ids, GenerateConfig(12, SamplingConfig()))
     engine.use_drafter("model", gamma=2)
     assert engine.policy.start(engine.drafter, 12, fixed).parts["model"] is model_alone

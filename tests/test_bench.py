@@ -319,6 +319,9 @@ def test_more_prompt_specs(tmp_path):
     assert len(edits) == 3 and {p.category for p in edits} == {"edit"}
     assert all("```python\ndef " in p.messages[0]["content"] for p in edits)
     assert [p.id for p in load_prompts("stdlib-edit:3")] == [p.id for p in edits]  # the same set every time
+    assert [p.id for p in load_prompts("stdlib-edit:1-3")] == [p.id for p in edits[1:]]  # a later slice of the same order
+    with pytest.raises(PromptsError, match="stdlib-edit:A-B"):
+        load_prompts("stdlib-edit:3-3")
     with pytest.raises(PromptsError, match="at least two non-empty strings"):
         load_prompts(str(_write_prompts(tmp_path / "t.jsonl", [{"id": "a", "category": "x", "turns": ["only one"]}])))
     with pytest.raises(PromptsError, match="exactly one of"):

@@ -22,7 +22,8 @@ from runtime.engine import Engine
 from runtime.gamma import CostModel, GammaConfig
 from runtime.kv_cache import KVCache
 from runtime.loop import decode_steps
-from runtime.policy import PartPolicy, RoundPolicy
+from runtime.drafters.prompt_lookup import PromptLookupDrafter, match_class
+from runtime.policy import PartPolicy, Round, RoundPolicy
 
 VOCAB = 50
 GREEDY = SamplingConfig()
@@ -229,7 +230,7 @@ def _costs(target_per_block: dict[int, float]) -> CostModel:
 
 def _with_alpha(alpha: float, costs: CostModel, config: GammaConfig = GammaConfig()) -> PartPolicy:
     controller = PartPolicy(config, costs, prior_alpha=alpha)
-    assert controller.alpha == pytest.approx(alpha)
+    assert controller.alpha() == pytest.approx(alpha)
     return controller
 
 
@@ -280,6 +281,39 @@ def _rounds(controller: PartPolicy, n: int, draft_step_cost: float, accept: bool
             controller.update(gamma, gamma if accept else 0)
         choices.append(gamma)
     return choices
+
+
+def test_lookup_copies_after_the_longest_match_not_the_latest():
+    tokens = np.array([4, 5, 6, 7, 8, 1, 9, 0, 5, 6, 7, 8, 2, 3, 4, 5, 6, 7, 8])
+    lookup = PromptLookupDrafter()
+    assert lookup.match(tokens) == (5, 5)  # "4 5 6 7 8" at the start, not the later "5 6 7 8"
+    assert lookup.find(tokens, 2).tolist() == [1, 9] and lookup.evidence(tokens) == match_class(5) == 3
+    # Matching at most 4 tokens (prompt lookup's n-grams before), the latest 4-gram's continuation is copied.
+    assert PromptLookupDrafter(max_match=4).find(tokens, 2).tolist() == [2, 3]
+    assert lookup.match(np.array([1, 2, 3])) == (0, 0) and lookup.evidence(np.array([1, 2, 3])) == 0
+    assert [match_class(n) for n in (2, 3, 4, 5, 8, 9, 16, 17, 32)] == [1, 2, 2, 3, 3, 4, 4, 5, 5]
+
+
+def test_alpha_is_learned_per_evidence_class():
+    """Copies on long matches accepted, on short ones rejected: long rounds at long matches and
+    none at short ones, where one α for both would choose the same for each."""
+    controller = PartPolicy(GammaConfig(max_loss=10.0), _costs({1: 1.0, 9: 1.8}))
+    for _ in range(20):
+        controller.update(4, 4, evidence=4)
+        controller.update(4, 0, evidence=1)
+    assert controller.alpha(4) > 0.9 and controller.alpha(1) < 0.2
+    assert controller.choose(0.0, evidence=4) >= 4 and controller.choose(0.0, evidence=1) == 0
+
+
+def test_round_policy_learns_alpha_for_the_class_the_drafter_reported():
+    lookup = PromptLookupDrafter()
+    policy = RoundPolicy(_costs({1: 1.0, 9: 1.2})).start(lookup, config=GammaConfig(max_loss=10.0))
+    long_match = np.array([5, 6, 7, 8, 9, 1, 2, 3, 5, 6, 7, 8, 9])  # a 5-token match: class 3
+    part, gamma = policy.choose(long_match)
+    assert part is lookup and gamma >= 1
+    policy.observe(Round("lookup", gamma, gamma, gamma, gamma + 1, 0.0, 1.0, 1.0))
+    learned = policy.parts["lookup"].estimates
+    assert learned[3].n_accepted == pytest.approx(0.98 * 1.2 + gamma) and 1 not in learned
 
 
 def test_probes_after_probe_every_plain_steps():
@@ -466,26 +500,26 @@ def test_a_new_sequence_keeps_alpha_but_not_the_weight_of_its_evidence():
     controller = PartPolicy(GammaConfig(decay=1.0, prior_weight=4.0), CostModel(), prior_alpha=0.5)
     for _ in range(50):
         controller.update(2, 0)  # a long run of rejections: α ≈ 0.02, backed by ~50 rounds
-    alpha = controller.alpha
+    alpha = controller.alpha()
     controller.start()
-    assert controller.alpha == pytest.approx(alpha)  # the estimate carries over ...
-    assert controller.estimate.n_accepted + controller.estimate.n_rejected == pytest.approx(4.0)  # ... as a prior worth 4 rounds
+    assert controller.alpha() == pytest.approx(alpha)  # the estimate carries over ...
+    assert controller.estimate().n_accepted + controller.estimate().n_rejected == pytest.approx(4.0)  # ... as a prior worth 4 rounds
     for _ in range(4):
         controller.update(3, 3)  # so a few accepted rounds of another kind of text overturn it
-    assert controller.alpha > 0.7
+    assert controller.alpha() > 0.7
 
 
 def test_alpha_update_is_the_truncated_geometric_mle():
     controller = PartPolicy(GammaConfig(decay=1.0), CostModel(), prior_alpha=0.5)  # 1 + 1 pseudo-counts
     controller.update(4, 2)  # 2 accepted, then a rejection
-    assert controller.alpha == pytest.approx(3 / 5)
+    assert controller.alpha() == pytest.approx(3 / 5)
     controller.update(3, 3)  # all accepted: no rejection observed
-    assert controller.alpha == pytest.approx(6 / 8)
+    assert controller.alpha() == pytest.approx(6 / 8)
     controller.update(0, 0)  # nothing drafted: no information
-    assert controller.alpha == pytest.approx(6 / 8)
+    assert controller.alpha() == pytest.approx(6 / 8)
     decayed = PartPolicy(GammaConfig(decay=0.5), CostModel(), prior_alpha=0.5)
     decayed.update(2, 0)
-    assert decayed.alpha == pytest.approx(0.5 / (0.5 + 1.5))
+    assert decayed.alpha() == pytest.approx(0.5 / (0.5 + 1.5))
 
 
 def test_alpha_estimate_converges_to_true_acceptance():
@@ -497,7 +531,7 @@ def test_alpha_estimate_converges_to_true_acceptance():
         while n < gamma and rng.random() < alpha:
             n += 1
         controller.update(gamma, n)
-    assert controller.alpha == pytest.approx(alpha, abs=0.02)
+    assert controller.alpha() == pytest.approx(alpha, abs=0.02)
 
 
 def test_cost_model_ema_and_ratio():

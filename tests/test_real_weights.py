@@ -220,6 +220,21 @@ def test_smollm2_layer_skip_audit_passes():
     assert report.passed, report.lines()
 
 
+def test_smollm2_suffix_cache_copies_an_earlier_answer_exactly():
+    """A repeated request drafts its answer from the suffix cache (a copy from an earlier request,
+    priced in its own evidence class) and, block-stable, decodes plain's tokens."""
+    real.need(real.SMOLLM2)
+    engine = Engine(real.bundle("smollm2-int8"), EngineConfig(provider="cpu", drafter="none", calibrate=False, block_stable=True))
+    ids = engine.encode(messages=[{"role": "user", "content": "Write a Python function that reverses a string."}])
+    config = GenerateConfig(max_new_tokens=48)
+    plain = engine.generate(ids, config).token_ids
+    engine.use_drafter("suffix")
+    first = engine.generate(ids, config)
+    again = engine.generate(ids, config)
+    assert first.token_ids == again.token_ids == plain
+    assert again.stats["accepted_tokens"] >= 0.6 * len(plain) > first.stats["accepted_tokens"], (first.stats, again.stats)
+
+
 def test_smollm2_int8_greedy_depends_on_blocks_unless_block_stable():
     """The int8 target gives a position different logits in a 1-row pass than in a block
     (ONNX Runtime's CPU kernels take another path for one row; int8 activations amplify it),

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from runtime.drafters.prompt_lookup import PromptLookupDrafter
-from runtime.drafters.suffix import SuffixDrafter, SuffixIndex, SuffixSettings
+from runtime.drafters.prompt_lookup import PromptLookupDrafter, match_class
+from runtime.drafters.suffix import EARLIER, SuffixDrafter, SuffixIndex, SuffixSettings
 
 
 def test_longest_match_wins_over_more_frequent_shorter_ones():
@@ -24,6 +24,9 @@ def test_most_frequent_continuation_of_equal_matches_until_they_disagree():
     # Every hit matches on (2, 10) only; 11 is unanimous, 12 has 2 of 3, then 13 vs 14 is 1 of 3 each.
     drafted, matched = index.continuation([0, 2, 10], 8)
     assert matched == 2 and drafted == [11, 12]
+    # By default it follows the most frequent, then the latest, while any match goes on.
+    index.settings = SuffixSettings()
+    assert index.continuation([0, 2, 10], 8) == ([11, 12, 14], 2)
 
 
 def test_draft_length_grows_with_match_length():
@@ -39,6 +42,16 @@ def test_the_current_sequence_is_searched_too():
     live = [1, 2, 3, 4, 9, 9, 2, 3]
     assert index.continuation(live, 4, live=live) == ([4, 9, 9, 2], 2)
     assert index.continuation(live, 4) == ([], 0)
+
+
+def test_the_current_sequence_wins_over_earlier_ones_at_equal_match_length():
+    index = SuffixIndex()
+    for k in range(3):
+        index.add([5, 2, 3, 70, 71, 100 + k])  # (2, 3) then 70, in three earlier requests
+    live = [1, 2, 3, 40, 41, 9, 2, 3]  # (2, 3) then 40 once in this one
+    assert index.continuation(live, 4, live=live) == ([40, 41, 9, 2], 2)
+    index.add([7, 9, 2, 3, 80, 81])  # a longer match in an earlier request wins
+    assert index.continuation(live, 4, live=live) == ([80, 81], 3)
 
 
 def test_memory_is_bounded_and_the_oldest_goes_first():
@@ -69,14 +82,19 @@ def test_drafter_copies_across_requests_where_prompt_lookup_finds_nothing():
     index.add([11, 12, 13, 14, 15, 16, 17])
     tokens = np.array([20, 21, 13, 14])
     assert len(PromptLookupDrafter().find(tokens, 4)) == 0
-    assert SuffixDrafter(index).find(tokens, 4).tolist() == [15, 16, 17]
+    drafter = SuffixDrafter(index)
+    assert drafter.find(tokens, 4).tolist() == [15, 16, 17]
+    # A copy from an earlier request is its own evidence class, apart from the request's own copies.
+    assert drafter.evidence(tokens) == match_class(2) + EARLIER
+    own = np.array([13, 14, 90, 20, 13, 14])  # (13, 14) in the request itself, as long as in the index
+    assert drafter.find(own, 2).tolist() == [90, 20] and drafter.evidence(own) == match_class(2)
 
 
 def test_settings_are_checked():
     with pytest.raises(ValueError, match="max_tokens=0"):
         SuffixSettings(max_tokens=0)
-    with pytest.raises(ValueError, match="min_support=0.0"):
-        SuffixSettings(min_support=0.0)
+    with pytest.raises(ValueError, match="min_support=-0.1"):
+        SuffixSettings(min_support=-0.1)
 
 
 def test_a_sequence_enters_the_index_when_the_next_starts_and_forget_drops_all():

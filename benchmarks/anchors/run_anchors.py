@@ -33,7 +33,8 @@ from benchmarks.bench import load_prompts  # noqa: E402
 from runtime.engine import Engine, EngineConfig, GenerateConfig  # noqa: E402
 from edge_spec.catalog import models_dir  # noqa: E402
 
-CONFIGS = ("edge-plain", "edge-auto", "llama-plain", "llama-ngram", "llama-draft", "genai-plain", "genai-ngram", "genai-draft")
+CONFIGS = ("edge-plain", "edge-auto", "llama-plain", "llama-ngram", "llama-ngram-map-k", "llama-draft", "genai-plain", "genai-ngram", "genai-draft")
+BEST_LLAMA = "llama-best"  # per prompt, the fastest llama.cpp configuration run on it
 
 
 def _llama(anchors: Path, tool: str, args: list[str], prompt_file: Path, max_new_tokens: int, threads: int) -> str:
@@ -150,6 +151,8 @@ def main(argv=None) -> int:
                     row = llama_plain(anchors, target_gguf, prompt_file, args.max_new_tokens, args.threads)
                 elif config == "llama-ngram":
                     row = llama_spec(anchors, target_gguf, prompt_file, args.max_new_tokens, args.threads, ["--spec-type", "ngram-simple"])
+                elif config == "llama-ngram-map-k":
+                    row = llama_spec(anchors, target_gguf, prompt_file, args.max_new_tokens, args.threads, ["--spec-type", "ngram-map-k"])
                 elif config == "llama-draft":
                     row = llama_spec(anchors, target_gguf, prompt_file, args.max_new_tokens, args.threads, ["-md", str(draft_gguf), "--spec-type", "draft-simple"])
                 else:
@@ -185,6 +188,8 @@ def report(results: dict) -> list[str]:
         plain = {row["prompt_id"]: row["tokens_per_s"] for row in rows if row["config"] == "edge-plain"}
         for config in results["configs"]:
             speeds = [row["tokens_per_s"] for row in rows if row["config"] == config]
+            if not speeds:
+                continue
             accepted = [row["acceptance_rate"] for row in rows if row["config"] == config and row.get("acceptance_rate") is not None]
             ratios = [plain[row["prompt_id"]] / row["tokens_per_s"] for row in rows if row["config"] == config and row["prompt_id"] in plain]
             q1, q3 = (statistics.quantiles(speeds, n=4)[i] for i in (0, 2)) if len(speeds) > 1 else (speeds[0], speeds[0])
@@ -192,6 +197,9 @@ def report(results: dict) -> list[str]:
             cells = [f"{statistics.median(speeds):.1f} ({q1:.1f}–{q3:.1f})", f"{statistics.median(accepted):.2f}" if accepted else "–",
                      f"{auto_ratio:.2f}" if auto_ratio else "–", f"{statistics.median(ratios):.2f}" if ratios else "–"]
             lines.append(f"| {config} | " + " | ".join(cells) + " |")
+        if BEST_LLAMA in entry:
+            best = entry[BEST_LLAMA]
+            lines.append(f"| best llama.cpp per prompt | {best['tokens_per_s']:.1f} | – | {best['edge_auto_over_this']:.2f} | – |")
         lines.append("")
     return lines
 
@@ -210,6 +218,11 @@ def summarize(runs: list[dict], configs: list[str]) -> dict:
             ratios = [rows["edge-auto"] / rows[config] for rows in prompts.values() if config in rows and "edge-auto" in rows]
             entry[config] = {"tokens_per_s": statistics.median(values) if values else None, "runs": len(values),
                              "edge_auto_over_this": statistics.median(ratios) if ratios else None}
+        best = {pid: max(speed for config, speed in rows.items() if config.startswith("llama-")) for pid, rows in prompts.items()
+                if "edge-auto" in rows and any(config.startswith("llama-") for config in rows)}
+        if best:
+            entry[BEST_LLAMA] = {"tokens_per_s": statistics.median(best.values()), "runs": len(best),
+                                 "edge_auto_over_this": statistics.median(prompts[pid]["edge-auto"] / speed for pid, speed in best.items())}
         summary[category] = entry
     return summary
 

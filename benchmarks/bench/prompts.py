@@ -1,5 +1,5 @@
 """Bench prompts: FILE.jsonl (one object a line: id, category, and prompt, messages or turns),
-humaneval[:N] or humaneval:A-B from $EDGE_SPEC_MODELS, or stdlib-edit:N (functions of this
+humaneval[:N] or humaneval:A-B from $EDGE_SPEC_MODELS, or stdlib-edit:N or stdlib-edit:A-B (functions of this
 Python's standard library to annotate), several separated by commas."""
 
 from __future__ import annotations
@@ -34,14 +34,11 @@ def _humaneval(spec: str) -> list[BenchPrompt]:
     first, count = 0, HUMANEVAL_DEFAULT_COUNT
     if spec != "humaneval":
         text = spec.split(":", 1)[1] if spec.startswith("humaneval:") else ""
-        low, dash, high = text.partition("-")
-        if dash and low.isdigit() and high.isdigit() and int(low) < int(high):
-            first, count = int(low), int(high) - int(low)
-        elif not dash and text.isdigit() and int(text) >= 1:
-            count = int(text)
-        else:
+        span = _range(text)
+        if span is None:
             raise PromptsError(f"bad prompts spec {spec!r}: use humaneval, humaneval:N (the first N problems, N a positive integer) "
                                "or humaneval:A-B (problems A to B-1, from 0)")
+        first, count = span
     path = models_dir() / HUMANEVAL_FILE
     if not path.is_file():
         raise PromptsError(f"{path} not found: put {HUMANEVAL_FILE} in $EDGE_SPEC_MODELS, or pass a prompts file")
@@ -60,15 +57,27 @@ def _humaneval(spec: str) -> list[BenchPrompt]:
     return prompts
 
 
+def _range(text: str) -> tuple[int, int] | None:
+    """N (the first N) or A-B (A to B-1, from 0) as (first, count); None when malformed."""
+    low, dash, high = text.partition("-")
+    if dash and low.isdigit() and high.isdigit() and int(low) < int(high):
+        return int(low), int(high) - int(low)
+    if not dash and text.isdigit() and int(text) >= 1:
+        return 0, int(text)
+    return None
+
+
 def _stdlib_edits(spec: str) -> list[BenchPrompt]:
     from benchmarks.bench.stdlib_edits import stdlib_edit_prompts
 
-    text = spec.split(":", 1)[1] if ":" in spec else ""
-    if not text.isdigit() or int(text) < 1:
-        raise PromptsError(f"bad prompts spec {spec!r}: use stdlib-edit:N with N a positive integer")
-    items = stdlib_edit_prompts(int(text))
-    if len(items) < int(text):
-        raise PromptsError(f"{spec}: this Python's standard library has only {len(items)} functions that qualify")
+    span = _range(spec.split(":", 1)[1] if ":" in spec else "")
+    if span is None:
+        raise PromptsError(f"bad prompts spec {spec!r}: use stdlib-edit:N (the first N functions, N a positive integer) "
+                           "or stdlib-edit:A-B (functions A to B-1, from 0)")
+    first, count = span
+    items = stdlib_edit_prompts(first + count)[first:]
+    if len(items) < count:
+        raise PromptsError(f"{spec}: this Python's standard library has only {first + len(items)} functions that qualify")
     return [BenchPrompt(item["id"], item["category"], messages=tuple(item["messages"])) for item in items]
 
 
@@ -115,7 +124,7 @@ def _prompt_from_line(line: str, where: str) -> BenchPrompt:
 def _prompts_file(spec: str) -> list[BenchPrompt]:
     path = Path(spec)
     if not path.is_file():
-        raise PromptsError(f"prompts file {path} not found (pass FILE.jsonl, humaneval[:N], humaneval:A-B or stdlib-edit:N)")
+        raise PromptsError(f"prompts file {path} not found (pass FILE.jsonl, humaneval[:N], humaneval:A-B, stdlib-edit:N or stdlib-edit:A-B)")
     prompts = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if line.strip():
@@ -127,7 +136,7 @@ def _prompts_file(spec: str) -> list[BenchPrompt]:
 
 def load_prompts(spec: str) -> list[BenchPrompt]:
     """FILE.jsonl (one object a line: id, category, and prompt, messages or turns), humaneval[:N]
-    or humaneval:A-B (chat "complete this function", category "code"), or stdlib-edit:N
+    or humaneval:A-B (chat "complete this function", category "code"), or stdlib-edit:N or :A-B
     (category "edit"); several, separated by commas."""
     prompts, seen = [], {}
     for part in (p.strip() for p in spec.split(",")):

@@ -62,6 +62,11 @@ class Drafter(ABC):
         """A new sequence starts with `tokens`: forget everything that is not a prefix of it
         (so a repeated prompt prefix is not fed again)."""
 
+    def evidence(self, tokens: np.ndarray) -> int:
+        """The class of situation a round after `tokens` drafts in, when acceptance differs by
+        class (a copying drafter's match length): the policy keeps an α per class."""
+        return 0
+
 
 class CostsPasses(Drafter):
     """Drafting runs model passes (a draft model, layer skip): the cost model times its steps.

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from runtime.drafters.base import Remembers
-from runtime.drafters.prompt_lookup import PromptLookupDrafter
+from runtime.drafters.prompt_lookup import PromptLookupDrafter, match_class
 
 
 @dataclass(frozen=True)
@@ -24,13 +24,15 @@ class SuffixSettings:
     key_len: int = 2  # the n-gram that finds candidate matches (prompt lookup's shortest)
     max_hits: int = 64  # most recent candidates looked at per lookup
     max_match: int = 32  # tokens a match is extended back at most
-    min_support: float = 0.3  # share of the longest matches that must agree on each drafted token
+    # Share of the longest matches that must agree on each drafted token; 0: follow the most
+    # frequent continuation while any match goes on (the policy's α per match length sets γ).
+    min_support: float = 0.0
     # A longer match earns a longer draft (at the shortest match as many as prompt lookup drafts).
     tokens_per_match: float = 4.0
 
     def __post_init__(self):
         if (self.max_tokens < 1 or self.key_len < 1 or self.max_hits < 1 or self.max_match < self.key_len
-                or not 0.0 < self.min_support <= 1.0 or self.tokens_per_match <= 0):
+                or not 0.0 <= self.min_support <= 1.0 or self.tokens_per_match <= 0):
             raise ValueError(f"bad suffix index settings: {self}")
 
 
@@ -97,6 +99,7 @@ class SuffixIndex:
             return [], 0
         key = tuple(int(t) for t in context[-self.settings.key_len :])
         sources = [(self.docs[doc], start) for doc, start in self._index.get(key, ())[-self.settings.max_hits :]]
+        live_list = None
         if live is not None:
             live = np.asarray(live, dtype=np.int64)
             n = self.settings.key_len
@@ -112,6 +115,11 @@ class SuffixIndex:
         best = max(lengths)
         # Most recent first: on equal counts the latest text wins, as in prompt lookup.
         runs = [(seq, start) for (seq, start), n in zip(reversed(sources), reversed(lengths)) if n == best]
+        live_runs = [run for run in runs if run[0] is live_list]
+        if live_runs:
+            # The request at hand knows its own text best: where it matches as long as any earlier
+            # one, copy its latest occurrence, as prompt lookup does; earlier requests add the rest.
+            runs = live_runs[:1]
         out: list[int] = []
         n_runs = len(runs)
         for depth in range(min(limit, int(np.ceil(self.settings.tokens_per_match * best)))):
@@ -131,6 +139,9 @@ class SuffixIndex:
         while n < len(tail) and start - 1 - n >= 0 and seq[start - 1 - n] == tail[n]:
             n += 1
         return n
+
+
+EARLIER = 8  # evidence classes of copies from earlier requests start here (the request's own: 1–5)
 
 
 class SuffixDrafter(PromptLookupDrafter, Remembers):
@@ -160,3 +171,13 @@ class SuffixDrafter(PromptLookupDrafter, Remembers):
         tokens = np.asarray(tokens, dtype=np.int64)
         drafted, _ = self.index.continuation(tokens, gamma, live=tokens)
         return np.asarray(drafted, dtype=np.int64)
+
+    def evidence(self, tokens):
+        """The match length class, offset by EARLIER when the copy comes from an earlier request
+        (it matches longer than the request's own text): text from other requests is another
+        kind of evidence, so the policy learns its α apart and drafts with the model instead
+        where such copies fail."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        own = self.match(tokens)[1]
+        best = self.index.continuation(tokens, 1, live=tokens)[1]
+        return match_class(best) + (EARLIER if best > own else 0)

@@ -26,6 +26,8 @@ abstract class Drafter {
     abstract fun propose(tokens: LongArray, gamma: Int, sampling: SamplingConfig, rng: UniformSource): Proposal?
     open fun accepted(tokens: LongArray, nAccepted: Int) {}
     open fun reset(tokens: LongArray = LongArray(0)) {}
+    /** The class of situation a round after `tokens` drafts in (a copy's match length); the policy keeps an α per class. */
+    open fun evidence(tokens: LongArray): Int = 0
 
     companion object {
         /** Draft one token: argmax when greedy (no q needed), else a sample from q, returned with q. */
@@ -64,27 +66,38 @@ fun partsOf(drafter: Drafter?): List<Drafter> = when (drafter) {
 /** Drafters that time themselves (replay) read `clock`, so a fake clock reaches every measurement. */
 fun useClock(drafter: Drafter?, clock: () -> Double) { partsOf(drafter).forEach { if (it is CatchesUp) it.clock = clock } }
 
-/** Copy what followed the latest earlier occurrence of the longest suffix n-gram. */
-class PromptLookupDrafter(private val maxNgram: Int = 4, private val minNgram: Int = 2) : Drafter() {
+/** 0 for no match, then 1 for a 2-token match, 2 for 3–4 tokens, 3 for 5–8, … (runtime/drafters/prompt_lookup.py). */
+fun matchClass(matchLength: Int): Int = if (matchLength > 0) 32 - Integer.numberOfLeadingZeros(matchLength - 1) else 0
+
+/** Copy what followed the latest earlier occurrence of the longest suffix match (at least minNgram, up to maxMatch tokens). */
+class PromptLookupDrafter(private val maxMatch: Int = 32, private val minNgram: Int = 2) : Drafter() {
     override val name = "lookup"
 
-    fun find(tokens: LongArray, gamma: Int): LongArray {
+    /** (where the copied continuation starts, the match length); (0, 0) when there is none. */
+    fun match(tokens: LongArray): Pair<Int, Int> {
         val length = tokens.size
-        for (n in minOf(maxNgram, length - 1) downTo minNgram) {
-            // windows i in [0, length-n): tokens[i, i+n) == suffix, with i+n <= length-1
-            var hit = -1
-            for (i in length - 1 - n downTo 0) {
-                var same = true
-                for (j in 0 until n) if (tokens[i + j] != tokens[length - n + j]) { same = false; break }
-                if (same) { hit = i; break }
-            }
-            if (hit >= 0) {
-                val begin = hit + n
-                return tokens.copyOfRange(begin, minOf(begin + gamma, length))
-            }
+        var bestStart = 0
+        var best = 0
+        // Latest first, and only a strictly longer match replaces: the latest of the longest wins.
+        for (i in length - 1 - minNgram downTo 0) {
+            var n = 0
+            while (n < minNgram && tokens[i + n] == tokens[length - minNgram + n]) n++
+            if (n < minNgram) continue
+            val start = i + minNgram
+            var matched = minNgram
+            while (matched < minOf(maxMatch, length) && start - 1 - matched >= 0 &&
+                tokens[start - 1 - matched] == tokens[length - 1 - matched]) matched++
+            if (matched > best) { best = matched; bestStart = start }
         }
-        return LongArray(0)
+        return bestStart to best
     }
+
+    fun find(tokens: LongArray, gamma: Int): LongArray {
+        val (start, matched) = match(tokens)
+        return if (matched > 0) tokens.copyOfRange(start, minOf(start + gamma, tokens.size)) else LongArray(0)
+    }
+
+    override fun evidence(tokens: LongArray): Int = matchClass(match(tokens).second)
 
     override fun propose(tokens: LongArray, gamma: Int, sampling: SamplingConfig, rng: UniformSource): Proposal? {
         val continuation = find(tokens, gamma)

@@ -70,24 +70,31 @@ class LossLedger(private val maxLoss: Double, private val costs: CostModel) {
     fun room(): Double = maxLoss * (horizonTokens + tokens) * costs.targetCost(1) - lossSeconds
 }
 
-/** γ for one drafter (one part of a mixed drafter): the argmax of the expected speedup, read from its α estimate, probe schedule and ledger. */
-class PartPolicy(val config: GammaConfig, val costs: CostModel, priorAlpha: Double = 0.6) {
-    val estimate = AlphaEstimate(priorAlpha, config.decay)
+/**
+ * γ for one drafter (one part of a mixed drafter): the argmax of the expected speedup, read from its α estimate for
+ * the round's evidence class (a copy's match length, [Drafter.evidence]), probe schedule and ledger.
+ */
+class PartPolicy(val config: GammaConfig, val costs: CostModel, private val priorAlpha: Double = 0.6) {
+    val estimates = LinkedHashMap<Int, AlphaEstimate>()
     val probes = ProbeSchedule(config)
     val ledger = LossLedger(config.maxLoss, costs)
-    val alpha: Double get() = estimate.value
+
+    fun estimate(evidence: Int = 0): AlphaEstimate = estimates.getOrPut(evidence) { AlphaEstimate(priorAlpha, config.decay) }
+    fun alpha(evidence: Int = 0): Double = estimate(evidence).value
 
     init { start() }
 
     /** A new sequence of up to horizonTokens: probe soon again (α carries over as a prior) and open a new loss ledger. */
-    fun start(horizonTokens: Int = 256) { probes.start(); ledger.start(horizonTokens); estimate.carryOver(config.priorWeight) }
+    fun start(horizonTokens: Int = 256) {
+        probes.start(); ledger.start(horizonTokens); estimates.values.forEach { it.carryOver(config.priorWeight) }
+    }
 
     fun roundCost(gamma: Int, draftStepCost: Double, replaySeconds: Double = 0.0): Double =
         replaySeconds + gamma * draftStepCost + costs.targetCost(gamma + 1)
 
-    fun expectedSpeedup(gamma: Int, draftStepCost: Double, replaySeconds: Double = 0.0): Double {
+    fun expectedSpeedup(gamma: Int, draftStepCost: Double, replaySeconds: Double = 0.0, evidence: Int = 0): Double {
         if (gamma == 0) return 1.0
-        val tokens = Verify.expectedTokensPerPass(alpha, gamma)
+        val tokens = Verify.expectedTokensPerPass(alpha(evidence), gamma)
         return tokens * costs.targetCost(1) / roundCost(gamma, draftStepCost, replaySeconds)
     }
 
@@ -96,22 +103,22 @@ class PartPolicy(val config: GammaConfig, val costs: CostModel, priorAlpha: Doub
         roundCost(gamma, draftStepCost, replaySeconds) - costs.targetCost(1)
 
     /** Expected speedup of a plain step (γ 0) and of every γ whose worst case the ledger affords. */
-    private fun gains(draftStepCost: Double, replaySeconds: Double): Map<Int, Double> {
+    private fun gains(draftStepCost: Double, replaySeconds: Double, evidence: Int): Map<Int, Double> {
         val room = ledger.room()
         val affordable = (1..config.maxGamma).filter { worstLoss(it, draftStepCost, replaySeconds) <= room }
-        return (listOf(0) + affordable).associateWith { expectedSpeedup(it, draftStepCost, replaySeconds) }
+        return (listOf(0) + affordable).associateWith { expectedSpeedup(it, draftStepCost, replaySeconds, evidence) }
     }
 
     /** The expected speedup of the best round this part could draft now (1.0: none pays). */
-    fun bestGain(draftStepCost: Double, replaySeconds: Double = 0.0): Double {
-        config.fixed?.let { return expectedSpeedup(it, draftStepCost, replaySeconds) }
-        return gains(draftStepCost, replaySeconds).values.max()
+    fun bestGain(draftStepCost: Double, replaySeconds: Double = 0.0, evidence: Int = 0): Double {
+        config.fixed?.let { return expectedSpeedup(it, draftStepCost, replaySeconds, evidence) }
+        return gains(draftStepCost, replaySeconds, evidence).values.max()
     }
 
     /** Only a γ whose worst case the ledger can afford is considered (runtime/policy.py PartPolicy.choose). */
-    fun choose(draftStepCost: Double, replaySeconds: Double = 0.0): Int {
+    fun choose(draftStepCost: Double, replaySeconds: Double = 0.0, evidence: Int = 0): Int {
         config.fixed?.let { return it }
-        val gains = gains(draftStepCost, replaySeconds)
+        val gains = gains(draftStepCost, replaySeconds, evidence)
         val affordable = gains.keys.filter { it > 0 }
         if (affordable.isEmpty()) return 0
         val best = gains.keys.maxBy { gains.getValue(it) }  // the first of equals: the shortest
@@ -120,10 +127,10 @@ class PartPolicy(val config: GammaConfig, val costs: CostModel, priorAlpha: Doub
         return 0
     }
 
-    fun update(nDrafted: Int, nAccepted: Int) {
+    fun update(nDrafted: Int, nAccepted: Int, evidence: Int = 0) {
         if (nDrafted == 0) return
         probes.outcome(nDrafted, nAccepted)
-        estimate.update(nDrafted, nAccepted)
+        estimate(evidence).update(nDrafted, nAccepted)
     }
 }
 
@@ -139,6 +146,7 @@ class RoundPolicy(val costs: CostModel = CostModel(), private val priorAlpha: Do
     var parts: Map<String, PartPolicy> = emptyMap()
         private set
     private var priced: Set<String> = emptySet()
+    private var evidence = 0  // the evidence class of the round last chosen, which observe learns α for
 
     /** A new sequence of up to horizonTokens, drafted by `drafter` (null: plain decoding). */
     fun start(drafter: Drafter?, horizonTokens: Int = 256, config: GammaConfig = GammaConfig()): RoundPolicy {
@@ -154,9 +162,12 @@ class RoundPolicy(val costs: CostModel = CostModel(), private val priorAlpha: Do
     fun choose(tokens: LongArray): Pair<Drafter?, Int> {
         val top = drafter ?: return null to 0
         // Of a mixed drafter's parts able to draft, the one whose best affordable round gains most (runtime/policy.py).
-        val part = if (top is Selects) top.candidates(tokens).maxBy { p -> costsOf(p, tokens).let { (step, replay) -> parts.getValue(p.name).bestGain(step, replay) } } else top
+        val options = if (top is Selects) top.candidates(tokens) else listOf(top)
+        val classes = options.associate { it.name to it.evidence(tokens) }
+        val part = options.maxBy { p -> costsOf(p, tokens).let { (step, replay) -> parts.getValue(p.name).bestGain(step, replay, classes.getValue(p.name)) } }
+        evidence = classes.getValue(part.name)
         val (stepCost, replay) = costsOf(part, tokens)
-        return part to parts.getValue(part.name).choose(stepCost, replay)
+        return part to parts.getValue(part.name).choose(stepCost, replay, evidence)
     }
 
     private fun costsOf(part: Drafter, tokens: LongArray): Pair<Double, Double> {
@@ -171,7 +182,7 @@ class RoundPolicy(val costs: CostModel = CostModel(), private val priorAlpha: Do
         for (policy in parts.values) policy.ledger.advance(done.nCommitted)
         if (done.nDrafted == 0) return
         val part = parts.getValue(done.drafter!!)
-        part.update(done.nDrafted, done.nAccepted)
+        part.update(done.nDrafted, done.nAccepted, evidence)
         part.ledger.record(done.roundSeconds, done.nCommitted)
         if (done.drafter in priced) {
             costs.recordDraft(done.drafter, done.nDrafted, done.draftSeconds - done.catchUpSeconds)
