@@ -24,12 +24,21 @@ class PromptLookupDrafter(Drafter):
     def __init__(self, max_match: int = 32, min_ngram: int = 2):
         self.max_match = max_match
         self.min_ngram = min_ngram
+        # A round asks for the same tokens' match up to three times (the mixed drafter's
+        # candidates, the policy's evidence, the proposal): the last answer is kept.
+        self._last: tuple[bytes, tuple[int, int]] | None = None
 
     def match(self, tokens: np.ndarray) -> tuple[int, int]:
         """(where the copied continuation starts, how many tokens the match covers) for the
         latest earlier occurrence of the longest suffix of at least min_ngram tokens, extended
         back up to max_match; (0, 0) when there is none."""
         tokens = np.asarray(tokens, dtype=np.int64)
+        key = tokens.tobytes()
+        if self._last is None or self._last[0] != key:
+            self._last = (key, self._longest_match(tokens))
+        return self._last[1]
+
+    def _longest_match(self, tokens: np.ndarray) -> tuple[int, int]:
         length, n = len(tokens), self.min_ngram
         if length <= n:
             return 0, 0

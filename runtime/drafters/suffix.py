@@ -16,6 +16,7 @@ import numpy as np
 
 from runtime.drafters.base import Remembers
 from runtime.drafters.prompt_lookup import PromptLookupDrafter, match_class
+from runtime.gamma import MAX_GAMMA
 
 
 @dataclass(frozen=True)
@@ -154,23 +155,34 @@ class SuffixDrafter(PromptLookupDrafter, Remembers):
         super().__init__(min_ngram=index.settings.key_len)
         self.index = index
         self._seen: np.ndarray | None = None  # the committed tokens of the sequence under way
+        self._copied: tuple[bytes, list[int], int] | None = None  # the last continuation asked for
 
     def accepted(self, tokens, n_accepted):
         self._seen = tokens
 
     def reset(self, tokens=()):
+        self._copied = None
         if self._seen is not None:
             self.index.add(self._seen)
             self._seen = None
 
     def forget(self):
         self._seen = None
+        self._copied = None
         self.index = SuffixIndex(self.index.settings)
+
+    def _continuation(self, tokens: np.ndarray) -> tuple[list[int], int]:
+        """The continuation for `tokens` (up to MAX_GAMMA: any shorter one is its prefix) and its
+        match length; a round asks up to three times, so the last answer is kept until the
+        tokens or the index change."""
+        key = tokens.tobytes()
+        if self._copied is None or self._copied[0] != key:
+            self._copied = (key, *self.index.continuation(tokens, MAX_GAMMA, live=tokens))
+        return self._copied[1], self._copied[2]
 
     def find(self, tokens, gamma):
         tokens = np.asarray(tokens, dtype=np.int64)
-        drafted, _ = self.index.continuation(tokens, gamma, live=tokens)
-        return np.asarray(drafted, dtype=np.int64)
+        return np.asarray(self._continuation(tokens)[0][:gamma], dtype=np.int64)
 
     def evidence(self, tokens):
         """The match length class, offset by EARLIER when the copy comes from an earlier request
@@ -179,5 +191,5 @@ class SuffixDrafter(PromptLookupDrafter, Remembers):
         where such copies fail."""
         tokens = np.asarray(tokens, dtype=np.int64)
         own = self.match(tokens)[1]
-        best = self.index.continuation(tokens, 1, live=tokens)[1]
+        best = self._continuation(tokens)[1]
         return match_class(best) + (EARLIER if best > own else 0)
