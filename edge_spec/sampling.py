@@ -69,6 +69,9 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
 
 
 _TOP_P_CANDIDATES = 2048
+# Tokens this far below the row's most likely one (in temperature-scaled logits) each carry
+# less than e^-20 of its probability; top-p ranks only the tokens above it first.
+_TOP_P_MARGIN = 20.0
 
 
 def _top_p_removal_sorted(scaled: np.ndarray, top_p: float) -> np.ndarray:
@@ -83,25 +86,53 @@ def _top_p_removal_sorted(scaled: np.ndarray, top_p: float) -> np.ndarray:
     return remove
 
 
-def _top_p_removal_large(row: np.ndarray, top_p: float) -> np.ndarray | None:
-    """Top-p removal mask for one large-vocabulary row [V] without sorting all of it.
+def _above_kth(row: np.ndarray, among: np.ndarray, k: int) -> np.ndarray:
+    """The tokens of `among` [C] whose logit is above the k-th largest there (all of them when
+    C <= k). A tie at that logit is left out whole, so a prefix of the ranking stays one."""
+    if among.shape[0] <= k:
+        return among
+    values = row[among]  # [C]
+    kth = np.partition(values, among.shape[0] - k)[among.shape[0] - k]
+    return among[values > kth]
+
+
+def _top_p_survivors_large(row: np.ndarray, top_p: float) -> np.ndarray | None:
+    """The token ids [S] that survive top-p in one large-vocabulary row [V], without sorting it.
 
     A token survives iff the mass of the tokens ranked above it is < top_p, ranking by
     descending logit and, among equal logits, descending id (the order in which the stable
-    ascending sort below drops the lower id first). When the cut falls strictly inside the
-    most likely candidates, everything outside them is removed too; otherwise returns None
-    and the caller sorts the whole row, which costs several times more (BENCHMARKS.md, "Sampling").
+    ascending sort drops the lower id first). Only a prefix of that ranking is sorted: the
+    tokens within _TOP_P_MARGIN of the most likely one (at most _TOP_P_CANDIDATES of them),
+    then, if the cut is not among those, up to _TOP_P_CANDIDATES of the whole row. When the cut
+    falls strictly inside the prefix, everything below it is removed too (it ranks lower, so it
+    has at least as much mass above it); otherwise returns None and the caller sorts the whole
+    row, which costs several times more (BENCHMARKS.md, "Sampling").
     """
-    vocab_size = row.shape[0]
-    candidates = np.argpartition(-row, _TOP_P_CANDIDATES)[:_TOP_P_CANDIDATES]  # [C]
-    ranked = candidates[np.lexsort((-candidates, -row[candidates]))]  # [C] most likely first
-    probs = _softmax(row)  # [V]
-    mass_above = np.cumsum(probs[ranked]) - probs[ranked]  # [C]
-    if not mass_above[-1] >= top_p:
-        return None
-    remove = np.ones(vocab_size, dtype=bool)  # [V]
-    remove[ranked[mass_above < top_p]] = False
-    return remove
+    top = np.max(row)
+    weights = np.exp(row - top)  # [V] every token counts toward the mass
+    total = np.sum(weights)
+    near = _above_kth(row, np.flatnonzero(row >= top - _TOP_P_MARGIN), _TOP_P_CANDIDATES)  # [C]
+    for candidates in (near, None):
+        if candidates is None:
+            candidates = _above_kth(row, np.arange(row.shape[0]), _TOP_P_CANDIDATES)  # [C]
+            if candidates.shape[0] <= near.shape[0]:
+                break  # no longer than the prefix already tried
+        if not candidates.shape[0]:
+            continue  # a tie at the cap's logit left nothing
+        ranked = candidates[np.lexsort((-candidates, -row[candidates]))]  # [C] most likely first
+        probs = weights[ranked] / total  # [C] as softmax(row)[ranked]
+        mass_above = np.cumsum(probs) - probs  # [C]
+        if mass_above[-1] >= top_p:
+            return ranked[mass_above < top_p]
+    return None
+
+
+def _softmax_over(row: np.ndarray, survivors: np.ndarray) -> np.ndarray:
+    """softmax of row [V] with every token outside survivors [S] at -inf, computed on the
+    survivors alone: the same float64 values as masking the row and taking _softmax of it."""
+    weights = np.zeros(row.shape[0], dtype=np.float64)  # [V]
+    weights[survivors] = np.exp(row[survivors] - np.max(row[survivors]))
+    return weights / np.sum(weights)
 
 
 def process_logits(logits: np.ndarray, config: SamplingConfig) -> np.ndarray:
@@ -121,11 +152,13 @@ def process_logits(logits: np.ndarray, config: SamplingConfig) -> np.ndarray:
     logits = np.asarray(logits, dtype=np.float64)  # [..., V]
     if logits.ndim == 0 or logits.shape[-1] == 0:
         raise ValueError(f"logits must have shape [..., V] with V >= 1, got {logits.shape}")
-    if np.isnan(logits).any():
+    # One pass checks every row: a row's max is NaN if it holds a NaN, +inf if it holds +inf.
+    row_max = np.max(logits, axis=-1)  # [...]
+    if np.isnan(row_max).any():
         raise ValueError("logits contain NaN")
-    if np.isposinf(logits).any():
+    if np.isposinf(row_max).any():
         raise ValueError("logits contain +inf")
-    if logits.size and not np.isfinite(np.max(logits, axis=-1)).all():
+    if np.isneginf(row_max).any():
         raise ValueError("every row of logits needs at least one finite value")
 
     if config.greedy:
@@ -135,7 +168,7 @@ def process_logits(logits: np.ndarray, config: SamplingConfig) -> np.ndarray:
         return one_hot
 
     scaled = logits / config.temperature  # [..., V]
-    if np.isposinf(scaled).any():
+    if np.isposinf(row_max / config.temperature).any():  # division keeps the order, so this is scaled's max
         raise ValueError(f"temperature {config.temperature!r} overflows the logits to +inf")
     vocab_size = scaled.shape[-1]
 
@@ -148,9 +181,14 @@ def process_logits(logits: np.ndarray, config: SamplingConfig) -> np.ndarray:
     if config.top_p < 1.0 and scaled.shape[-1] > 4 * _TOP_P_CANDIDATES:
         rows = scaled.reshape(-1, vocab_size)  # [R, V]
         # Row by row, so a row's p never depends on which other rows share the call.
-        removals = [_top_p_removal_large(row, config.top_p) for row in rows]
-        removals = [r if r is not None else _top_p_removal_sorted(row, config.top_p) for r, row in zip(removals, rows)]
-        return _softmax(np.where(np.stack(removals).reshape(scaled.shape), -np.inf, scaled))
+        out = np.empty_like(rows)  # [R, V]
+        for index, row in enumerate(rows):
+            survivors = _top_p_survivors_large(row, config.top_p)
+            if survivors is None:
+                out[index] = _softmax(np.where(_top_p_removal_sorted(row, config.top_p), -np.inf, row))
+            else:
+                out[index] = _softmax_over(row, survivors)
+        return out.reshape(scaled.shape)
 
     if config.top_p < 1.0:
         scaled = np.where(_top_p_removal_sorted(scaled, config.top_p), -np.inf, scaled)  # [..., V]
@@ -173,12 +211,13 @@ def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
     # Validate before drawing so a rejected call leaves the random stream untouched.
     if probs.min() < 0.0:
         raise ValueError("probs must be non-negative")
-    cumulative = probs.cumsum()  # [V]
-    total = float(cumulative[-1])
+    # Adding a zero leaves a running sum unchanged, so the cdf over the nonzero entries holds the
+    # same values, and the first entry past u * total is always one of them.
+    support = np.flatnonzero(probs)  # [S]
+    cumulative = (probs[support] if support.shape[0] < probs.shape[0] else probs).cumsum()  # [S]
+    total = float(cumulative[-1]) if support.shape[0] else 0.0
     if not (math.isfinite(total) and total > 0.0):
         raise ValueError(f"probs must have positive finite total mass, got {total!r}")
     u = rng.random()
     index = int(cumulative.searchsorted(u * total, side="right"))
-    if index >= probs.shape[0]:
-        index = int(np.flatnonzero(probs)[-1])
-    return index
+    return int(support[min(index, support.shape[0] - 1)])

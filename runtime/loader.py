@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from runtime.engine import EngineConfig
 
 # suffix: lookup over this sequence and earlier ones (a bounded index the drafter keeps across
-# requests); auto+suffix: that, else the bundle's default draft.
+# requests); auto+suffix: auto, plus copies from earlier requests where they match longer.
 DRAFTERS = ("auto", "model", "layer-skip", "lookup", "suffix", "auto+suffix", "none")
 
 
@@ -166,9 +166,10 @@ class Loader:
         if kind == "suffix":
             return SuffixDrafter(SuffixIndex(SuffixSettings(max_tokens=self.config.suffix_cache_tokens)))
         if kind == "auto":
-            return MixedDrafter(PromptLookupDrafter(), self._model_drafter("auto", runner or self.runner))
+            return MixedDrafter([PromptLookupDrafter()], self._model_drafter("auto", runner or self.runner))
         if kind == "auto+suffix":
-            return MixedDrafter(SuffixDrafter(SuffixIndex(SuffixSettings(max_tokens=self.config.suffix_cache_tokens))), self._model_drafter("auto", runner or self.runner), kind)
+            earlier = SuffixDrafter(SuffixIndex(SuffixSettings(max_tokens=self.config.suffix_cache_tokens)), own_text=False)
+            return MixedDrafter([PromptLookupDrafter(), earlier], self._model_drafter("auto", runner or self.runner), kind)
         return self._model_drafter(kind, runner or self.runner)
 
     def _model_drafter(self, kind: str, runner: Callable[..., ModelRunner]) -> Drafter | None:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from benchmarks.anchors.run_anchors import parse_completion_log, parse_speculative_log, report, summarize
+from benchmarks.anchors.run_anchors import parse_completion_log, parse_speculative_log, report, sampling_args, summarize
 
 COMPLETION_LOG = """
 llama_perf_sampler_print:    sampling time =      12.00 ms /   173 runs   (    0.07 ms per token, 14416.67 tokens per second)
@@ -66,3 +66,24 @@ def test_summary_compares_with_the_fastest_llama_configuration_of_each_prompt():
     assert best["edge_auto_over_this"] == pytest.approx(38 / 40)  # median of 1.2, 0.5, 0.95
     table = report({"summary": summarize(runs, configs), "runs": runs, "configs": configs, "max_new_tokens": 128})
     assert "| best llama.cpp per prompt | 40.0 | – | 0.95 | – |" in table
+
+
+def test_llama_samples_as_edge_spec_does():
+    """Greedy stays greedy; at a temperature only the temperature and then top-p samplers run
+    (llama.cpp's default chain would apply top-k 40 and min-p, and top-p before temperature)."""
+    assert sampling_args() == ["--temp", "0", "--seed", "0"]
+    args = sampling_args(0.7, 0.9, 3)
+    assert args[args.index("--samplers") + 1] == "temperature;top_p"
+    assert args[args.index("--temp") + 1] == "0.7" and args[args.index("--top-p") + 1] == "0.9" and args[args.index("--seed") + 1] == "3"
+
+
+def test_at_a_temperature_runs_pair_by_prompt_and_seed():
+    runs = [{"category": "code", "prompt_id": "p1", "seed": seed, "config": config, "tokens_per_s": speed, "acceptance_rate": None}
+            for seed, row in enumerate([{"edge-auto": 30.0, "llama-ngram": 20.0}, {"edge-auto": 10.0, "llama-ngram": 40.0}])
+            for config, speed in row.items()]
+    entry = summarize(runs, ["edge-auto", "llama-ngram"])["code"]
+    assert entry["llama-ngram"]["runs"] == 2
+    assert entry["llama-ngram"]["edge_auto_over_this"] == pytest.approx((1.5 + 0.25) / 2)  # seed 0 with seed 0, 1 with 1
+    table = report({"summary": {"code": entry}, "runs": runs, "configs": ["edge-auto", "llama-ngram"], "max_new_tokens": 64,
+                    "sampling": {"temperature": 0.7, "top_p": 0.9, "seeds": 2}})
+    assert table[0] == "### code (2 prompt-and-seed pairs, 64 new tokens, temperature 0.7, top-p 0.9)"

@@ -332,3 +332,14 @@ def test_shipped_conversations():
     conversations = load_prompts(str(ROOT / "benchmarks" / "prompts" / "multi-turn.jsonl"))
     assert len(conversations) == 6 and {p.category for p in conversations} == {"multi-turn"}
     assert all(p.turns and len(p.turns) == 3 for p in conversations)
+
+
+def test_c_per_mode_is_the_model_parts_not_a_copiers():
+    """A mixed mode's c is its model part's, whichever copier (lookup or the suffix cache) is
+    listed first; a mode that only copied reports its copier's."""
+    from benchmarks.bench.stats import _mode_cost
+
+    assert _mode_cost({"suffix": 0.004, "model": 0.31}) == 0.31
+    assert _mode_cost({"lookup": 0.005, "suffix": 0.004, "model": 0.29}) == 0.29
+    assert _mode_cost({"lookup": 0.005}) == 0.005
+    assert _mode_cost({}) is None

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import tiny
-from real import GEMMA3, QWEN_DRAFT, SMOLLM2, need
+from real import SMOLLM2, need
 from runtime.engine import Engine, EngineConfig
 
 
@@ -40,12 +40,14 @@ def test_lazy_weights_equal_from_pretrained_safetensors(tiny_models):
 
 
 @pytest.mark.real_weights
-@pytest.mark.parametrize("gguf", [SMOLLM2, GEMMA3, QWEN_DRAFT])
-def test_lazy_weights_equal_from_pretrained_gguf(gguf):
-    """Real GGUFs, through transformers' own name map and tensor processors: SmolLM2 (Llama:
-    q/k rows permuted back), Gemma 3 (norm weights stored +1), Qwen2.5 0.5B (tied head)."""
-    folder = need(gguf)
-    assert _same_weights(str(folder / gguf)) > 100
+def test_lazy_weights_equal_from_pretrained_gguf():
+    """A real GGUF through transformers' own name map and tensor processors: SmolLM2 (Llama: q/k
+    rows permuted back). Gemma 3 (norm weights stored +1, tied head) and Qwen2.5 (tied head)
+    are read the same lazy way for their fp32 bundles, whose logits test_real_weights compares
+    with transformers' from_pretrained model (1e-3): a misread tensor moves them far more, and
+    comparing those two checkpoints here too cost about 4 of CI's minutes."""
+    folder = need(SMOLLM2)
+    assert _same_weights(str(folder / SMOLLM2)) > 100
 
 
 def test_loaded_modules_are_meta_again_after_the_block(tiny_models):

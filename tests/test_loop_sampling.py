@@ -105,7 +105,7 @@ def _target_and_drafter(kind: str, lm: ToyLM):
     if kind == "lookup":
         return ToyRunner(lm), PromptLookupDrafter()
     model = DraftModelDrafter(ToyRunner(NoisyLM(lm)))
-    return ToyRunner(lm), model if kind == "model" else MixedDrafter(PromptLookupDrafter(), model)
+    return ToyRunner(lm), model if kind == "model" else MixedDrafter([PromptLookupDrafter()], model)
 
 
 def loop_samples(kind: str, sampling: SamplingConfig, gamma: int, n: int = SAMPLES, seed: int = 0):

@@ -131,6 +131,64 @@ def test_top_k_then_top_p_order():
     np.testing.assert_array_equal(probs, [1.0, 0.0, 0.0])
 
 
+def _large_rows():
+    """Rows of a 40,000-token vocabulary, past the size where top-p ranks only a prefix."""
+    rng = np.random.default_rng(23)
+    vocab = 40_000
+    peaked = rng.normal(scale=2.0, size=vocab)
+    peaked[rng.choice(vocab, 30, replace=False)] += 14.0  # the cut falls among the few near the top
+    tied = peaked.copy()
+    top = np.argsort(tied)[-12:]
+    tied[top[:6]] = tied[top[5]]  # a run of equal logits around the cut
+    flat = rng.normal(scale=0.02, size=vocab)  # thousands within the margin: the most likely 2048 are ranked
+    flatter = np.zeros(vocab)  # no prefix reaches the mass: the whole row is sorted
+    flatter[::7] = 1e-3
+    trimmed = np.full(vocab, -np.inf)  # a trimmed draft head: -inf outside its kept rows
+    kept = rng.choice(vocab, 5000, replace=False)
+    trimmed[kept] = rng.normal(scale=3.0, size=kept.shape[0])
+    wide = rng.normal(scale=4.0, size=vocab)  # many tokens fall below the margin yet carry mass
+    grid = rng.normal(scale=1.5, size=vocab).round(1)  # ties everywhere, at the candidates' cap too
+    return {"peaked": peaked, "tied": tied, "flat": flat, "flatter": flatter, "trimmed": trimmed, "wide": wide, "grid": grid}
+
+
+@pytest.mark.parametrize("name", ["peaked", "tied", "flat", "flatter", "trimmed", "wide", "grid"])
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.999999])
+def test_large_vocabulary_top_p_matches_the_plain_reference(name, top_p):
+    row = _large_rows()[name].astype(np.float32)  # as a model returns it
+    config = SamplingConfig(temperature=0.7, top_p=top_p)
+    probs = process_logits(row, config)  # [V]
+    expected = np.array(reference_process(row, config.temperature, 0, top_p))  # [V]
+    np.testing.assert_array_equal(probs > 0.0, expected > 0.0)  # the same tokens survive
+    np.testing.assert_allclose(probs, expected, rtol=1e-12, atol=1e-15)
+
+
+def test_large_vocabulary_top_p_cut_inside_a_tie_at_the_candidates_cap():
+    """2,040 tokens at one logit, 100 tied just below (across the cap of 2,048 candidates), the
+    cut after two of the tied ones: the two with the highest ids survive, not two the partial
+    ranking happened to take in."""
+    row = np.full(40_000, -10.0)
+    order = np.random.default_rng(37).permutation(row.size)
+    row[order[:2040]] = 5.0
+    row[order[2040:2140]] = 4.9
+    config = SamplingConfig(temperature=0.7, top_p=0.96)
+    probs = process_logits(row, config)
+    expected = np.array(reference_process(row, config.temperature, 0, config.top_p))
+    tied_kept = np.flatnonzero((probs > 0) & (row == 4.9))
+    assert tied_kept.tolist() == sorted(order[2040:2140])[-2:]
+    np.testing.assert_allclose(probs, expected, rtol=1e-12, atol=1e-15)
+
+
+def test_survivors_softmax_equals_masking_the_row_bit_for_bit():
+    """_softmax_over computes on the survivors alone what masking the rest to -inf gives."""
+    from edge_spec.sampling import _softmax, _softmax_over
+
+    for row in _large_rows().values():
+        survivors = np.flatnonzero(row >= np.quantile(row[np.isfinite(row)], 0.999))
+        masked = np.full_like(row, -np.inf)
+        masked[survivors] = row[survivors]
+        np.testing.assert_array_equal(_softmax_over(row, survivors), _softmax(masked))
+
+
 def test_greedy_is_one_hot_first_argmax():
     logits = np.array([[0.0, 2.0, 2.0, -1.0], [5.0, 1.0, 5.0, 5.0]], dtype=np.float32)
     probs = process_logits(logits, SamplingConfig(temperature=0.0, top_k=2, top_p=0.1))
@@ -224,6 +282,20 @@ def test_sample_stream_is_one_uniform_per_draw():
     expected = np.searchsorted(cumulative, uniforms * cumulative[-1], side="right")
     np.testing.assert_array_equal(draws, expected)
     assert rng_a.random() == rng_b.random()  # both consumed exactly 3000 uniforms
+
+
+def test_sample_over_a_sparse_vector_follows_the_stream_definition():
+    """Mostly-zero rows (what top-p leaves) draw the index the full running sum defines."""
+    rng = np.random.default_rng(29)
+    probs = np.zeros(50_000)
+    support = rng.choice(probs.size, 700, replace=False)
+    probs[support] = rng.random(700) ** 4  # uneven sizes, so the partial sums round differently
+    rng_a, rng_b = np.random.default_rng(31), np.random.default_rng(31)
+    draws = [sample(probs, rng_a) for _ in range(3000)]
+    cumulative = np.cumsum(probs)
+    expected = np.searchsorted(cumulative, rng_b.random(3000) * cumulative[-1], side="right")
+    np.testing.assert_array_equal(draws, expected)
+    assert sample(probs, ScriptedRng([1.0])) == support.max()  # clamped to the last nonzero token
 
 
 def test_sample_hand_computed_boundaries():

@@ -90,6 +90,24 @@ def test_drafter_copies_across_requests_where_prompt_lookup_finds_nothing():
     assert drafter.find(own, 2).tolist() == [90, 20] and drafter.evidence(own) == match_class(2)
 
 
+def test_beside_prompt_lookup_it_drafts_only_where_an_earlier_request_matches_longer():
+    """auto+suffix: prompt lookup copies the request's own text; the suffix part is a candidate
+    only where an earlier request matches longer, so the policy weighs the two kinds of copy
+    (and the model) each by its own α."""
+    from runtime.drafters.mixed import MixedDrafter
+
+    index = SuffixIndex()
+    index.add([7, 9, 2, 3, 80, 81, 82])
+    lookup, earlier = PromptLookupDrafter(), SuffixDrafter(index, own_text=False)
+    mixed = MixedDrafter([lookup, earlier], model=None, name="auto+suffix")
+    own = np.array([1, 2, 3, 40, 41, 5, 2, 3])  # (2, 3) in the request; (9, 2, 3) is only in the index
+    assert len(earlier.find(own, 4)) == 0 and mixed.candidates(own) == [lookup]
+    longer = np.array([1, 2, 3, 40, 41, 9, 2, 3])
+    assert earlier.find(longer, 4).tolist() == [80, 81, 82] and earlier.evidence(longer) == EARLIER + match_class(3)
+    assert mixed.candidates(longer) == [lookup, earlier]
+    assert mixed.parts() == [lookup, earlier]
+
+
 def test_settings_are_checked():
     with pytest.raises(ValueError, match="max_tokens=0"):
         SuffixSettings(max_tokens=0)

@@ -385,7 +385,7 @@ def loop_traces() -> list[dict]:
         target = FakeRunner("target", vocab, max_context, 11, clock, (0.010, 0.001))
         draft = FakeRunner("draft", vocab, max_context, 12, clock, (0.002, 0.0003), base=target, agree=agree)
         model = DraftModelDrafter(draft)
-        drafter = model if kind == "model" else MixedDrafter(PromptLookupDrafter(), model)
+        drafter = model if kind == "model" else MixedDrafter([PromptLookupDrafter()], model)
         sampling = SamplingConfig(temperature=temperature, seed=seed)
         rng = RecordingRng(seed)
         config = GammaConfig(max_gamma=6, max_loss=max_loss, max_failed_probes=max_failed_probes)

@@ -8,7 +8,10 @@ runtime (llama.cpp and onnxruntime-genai parse the special tokens in it). Per pr
 configuration runs back to back, so machine drift spreads over all of them. Decode tokens/s is
 each runtime's own decode timing: llama.cpp's `eval time` (plain) and `decoded N tokens in`
 (speculative-simple), onnxruntime-genai timed around its generate loop after the prefill,
-edge-spec's GenerationResult. Greedy everywhere, 2 threads (the machine's cores).
+edge-spec's GenerationResult. 2 threads (the machine's cores). Greedy by default; with
+`--temperature T [--top-p P] [--seeds N]` every runtime samples from softmax(top-p(logits / T))
+(llama.cpp with only its temperature and top-p samplers, in that order, as edge-spec and Hugging
+Face apply them), once per seed, and each ratio pairs runs of the same prompt and seed.
 The anchors are built by benchmarks/anchors/setup.sh.
 """
 
@@ -30,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench import load_prompts  # noqa: E402
+from edge_spec.sampling import SamplingConfig  # noqa: E402
 from runtime.engine import Engine, EngineConfig, GenerateConfig  # noqa: E402
 from edge_spec.catalog import models_dir  # noqa: E402
 
@@ -37,9 +41,18 @@ CONFIGS = ("edge-plain", "edge-auto", "llama-plain", "llama-ngram", "llama-ngram
 BEST_LLAMA = "llama-best"  # per prompt, the fastest llama.cpp configuration run on it
 
 
-def _llama(anchors: Path, tool: str, args: list[str], prompt_file: Path, max_new_tokens: int, threads: int) -> str:
+def sampling_args(temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> list[str]:
+    """llama.cpp's sampling flags for edge-spec's SamplingConfig: greedy at temperature 0, else
+    only the temperature and top-p samplers, temperature first (llama.cpp's default chain applies
+    top-k 40, top-p and min-p before the temperature)."""
+    if temperature == 0:
+        return ["--temp", "0", "--seed", str(seed)]
+    return ["--samplers", "temperature;top_p", "--temp", repr(float(temperature)), "--top-p", repr(float(top_p)), "--seed", str(seed)]
+
+
+def _llama(anchors: Path, tool: str, args: list[str], prompt_file: Path, max_new_tokens: int, threads: int, sampling: list[str]) -> str:
     command = [str(anchors / "llama.cpp/build/bin" / tool), "-f", str(prompt_file), "-n", str(max_new_tokens), "-t", str(threads),
-               "-c", "4096", "--temp", "0", "--seed", "0", *args]
+               "-c", "4096", *sampling, *args]
     env = dict(os.environ, LD_LIBRARY_PATH=str(anchors / "llama.cpp/build/bin"))
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
     if done.returncode != 0:
@@ -73,12 +86,12 @@ def parse_speculative_log(log: str) -> dict:
             "acceptance_rate": int(accepted.group(1)) / n_drafted if n_drafted else None, "drafted": n_drafted}
 
 
-def llama_plain(anchors, target_gguf, prompt_file, max_new_tokens, threads) -> dict:
-    return parse_completion_log(_llama(anchors, "llama-completion", ["-m", str(target_gguf), "-no-cnv"], prompt_file, max_new_tokens, threads))
+def llama_plain(anchors, target_gguf, prompt_file, max_new_tokens, threads, sampling: list[str]) -> dict:
+    return parse_completion_log(_llama(anchors, "llama-completion", ["-m", str(target_gguf), "-no-cnv"], prompt_file, max_new_tokens, threads, sampling))
 
 
-def llama_spec(anchors, target_gguf, prompt_file, max_new_tokens, threads, extra: list[str]) -> dict:
-    return parse_speculative_log(_llama(anchors, "llama-speculative-simple", ["-m", str(target_gguf), *extra], prompt_file, max_new_tokens, threads))
+def llama_spec(anchors, target_gguf, prompt_file, max_new_tokens, threads, sampling: list[str], extra: list[str]) -> dict:
+    return parse_speculative_log(_llama(anchors, "llama-speculative-simple", ["-m", str(target_gguf), *extra], prompt_file, max_new_tokens, threads, sampling))
 
 
 class GenaiWorker:
@@ -111,6 +124,9 @@ def main(argv=None) -> int:
     parser.add_argument("--anchors", default=os.environ.get("ANCHORS", str(Path.home() / ".cache/edge-spec/anchors")))
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; above 0: sampled, once per seed")
+    parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature (default 1.0)")
+    parser.add_argument("--seeds", type=int, default=1, help="with --temperature: runs per prompt and configuration, seeds 0..N-1")
     args = parser.parse_args(argv)
     anchors, out = Path(args.anchors), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -118,12 +134,17 @@ def main(argv=None) -> int:
     unknown = sorted(set(configs) - set(CONFIGS))
     if unknown:
         parser.error(f"unknown configs {unknown} (choose from {', '.join(CONFIGS)})")
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.seeds < 1:
+        parser.error("--temperature must be >= 0, --top-p in (0, 1] and --seeds >= 1")
+    if args.temperature == 0 and (args.seeds != 1 or args.top_p != 1):
+        parser.error("greedy (temperature 0) takes no --seeds or --top-p")
+    if args.temperature > 0 and any(c.startswith("genai") for c in configs):
+        parser.error("the onnxruntime-genai worker decodes greedily: leave its configs out at a temperature")
     models = models_dir()
     target_gguf, draft_gguf = models / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", models / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
     prompts = load_prompts(args.prompts)
 
     engine = Engine(args.bundle, EngineConfig(drafter="auto", threads=args.threads))
-    generate = GenerateConfig(max_new_tokens=args.max_new_tokens)
     genai = GenaiWorker(anchors) if any(c.startswith("genai") for c in configs) else None
     genai_models = {"genai-plain": anchors / "genai/qwen-1.5b", "genai-ngram": anchors / "genai/qwen-1.5b", "genai-draft": anchors / "genai/spec-1.5b-0.5b"}
     if genai:  # first-run costs (weight prepacking, allocations) stay out of the timed runs
@@ -133,11 +154,14 @@ def main(argv=None) -> int:
     engine.generate(engine.tokenizer.encode("warm up"), GenerateConfig(max_new_tokens=8))
     runs = []
     with tempfile.TemporaryDirectory() as scratch:
-        for number, prompt in enumerate(prompts, start=1):
+        for number, (prompt, seed) in enumerate(((p, s) for p in prompts for s in range(args.seeds)), start=1):
             text = engine.tokenizer.render_chat(list(prompt.messages)) if prompt.messages else prompt.prompt
             prompt_file = Path(scratch) / "prompt.txt"
             prompt_file.write_text(text, encoding="utf-8")
             ids = engine.tokenizer.encode(text, add_special_tokens=prompt.messages is None)
+            generate = GenerateConfig(max_new_tokens=args.max_new_tokens,
+                                      sampling=SamplingConfig(temperature=args.temperature, top_p=args.top_p, seed=seed))
+            sampling = sampling_args(args.temperature, args.top_p, seed)
             outputs = {}
             for config in configs:
                 began = time.perf_counter()
@@ -148,28 +172,30 @@ def main(argv=None) -> int:
                            "tokens_per_pass": result.stats["tokens_per_pass"]}
                     outputs[config] = result.token_ids
                 elif config == "llama-plain":
-                    row = llama_plain(anchors, target_gguf, prompt_file, args.max_new_tokens, args.threads)
+                    row = llama_plain(anchors, target_gguf, prompt_file, args.max_new_tokens, args.threads, sampling)
                 elif config == "llama-ngram":
-                    row = llama_spec(anchors, target_gguf, prompt_file, args.max_new_tokens, args.threads, ["--spec-type", "ngram-simple"])
+                    row = llama_spec(anchors, target_gguf, prompt_file, args.max_new_tokens, args.threads, sampling, ["--spec-type", "ngram-simple"])
                 elif config == "llama-ngram-map-k":
-                    row = llama_spec(anchors, target_gguf, prompt_file, args.max_new_tokens, args.threads, ["--spec-type", "ngram-map-k"])
+                    row = llama_spec(anchors, target_gguf, prompt_file, args.max_new_tokens, args.threads, sampling, ["--spec-type", "ngram-map-k"])
                 elif config == "llama-draft":
-                    row = llama_spec(anchors, target_gguf, prompt_file, args.max_new_tokens, args.threads, ["-md", str(draft_gguf), "--spec-type", "draft-simple"])
+                    row = llama_spec(anchors, target_gguf, prompt_file, args.max_new_tokens, args.threads, sampling,
+                                     ["-md", str(draft_gguf), "--spec-type", "draft-simple"])
                 else:
                     mode = config.split("-", 1)[1]
                     row = genai.run(model=str(genai_models[config]), prompt=text, mode=mode, max_new_tokens=args.max_new_tokens,
                                     ngram_size=3, max_draft_tokens=4 if mode == "ngram" else 8)
                     outputs[config] = row.pop("tokens")
-                row.update(config=config, runtime=config.split("-")[0], category=prompt.category, prompt_id=prompt.id,
+                row.update(config=config, runtime=config.split("-")[0], category=prompt.category, prompt_id=prompt.id, seed=seed,
                            wall_s=time.perf_counter() - began)
                 runs.append(row)
-                print(f"[{number}/{len(prompts)}] {prompt.id} {config}: {row['tokens_per_s']:.1f} tok/s", flush=True)
-            if "edge-plain" in outputs and "edge-auto" in outputs:
+                print(f"[{number}/{len(prompts) * args.seeds}] {prompt.id} seed {seed} {config}: {row['tokens_per_s']:.1f} tok/s", flush=True)
+            if "edge-plain" in outputs and "edge-auto" in outputs and args.temperature == 0:
                 runs[-len(configs) + configs.index("edge-auto")]["identical_to_plain"] = outputs["edge-auto"] == outputs["edge-plain"]
     if genai:
         genai.close()
     summary = summarize(runs, configs)
     results = {"bundle": args.bundle, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "threads": args.threads,
+               "sampling": {"temperature": args.temperature, "top_p": args.top_p, "seeds": args.seeds},
                "started": time.strftime("%Y-%m-%d %H:%M:%S"), "configs": configs, "runs": runs, "summary": summary}
     (out / "anchors.json").write_text(json.dumps(results, indent=1))
     (out / "anchors.md").write_text("\n".join(report(results)) + "\n")
@@ -183,15 +209,19 @@ def report(results: dict) -> list[str]:
     lines = []
     for category, entry in results["summary"].items():
         rows = [row for row in results["runs"] if row["category"] == category]
-        lines += [f"### {category} ({entry[results['configs'][0]]['runs']} prompts, {results['max_new_tokens']} new tokens)", "",
+        sampling = results.get("sampling") or {}
+        pairs = "prompt-and-seed pairs" if sampling.get("temperature") else "prompts"
+        at = f", temperature {sampling['temperature']}, top-p {sampling['top_p']}" if sampling.get("temperature") else ""
+        lines += [f"### {category} ({entry[results['configs'][0]]['runs']} {pairs}, {results['max_new_tokens']} new tokens{at})", "",
                   "| configuration | decode tok/s median (q1–q3) | acceptance (median) | edge-auto ÷ it | edge-plain ÷ it |", "|---|---|---|---|---|"]
-        plain = {row["prompt_id"]: row["tokens_per_s"] for row in rows if row["config"] == "edge-plain"}
+        plain = {(row["prompt_id"], row.get("seed", 0)): row["tokens_per_s"] for row in rows if row["config"] == "edge-plain"}
         for config in results["configs"]:
             speeds = [row["tokens_per_s"] for row in rows if row["config"] == config]
             if not speeds:
                 continue
             accepted = [row["acceptance_rate"] for row in rows if row["config"] == config and row.get("acceptance_rate") is not None]
-            ratios = [plain[row["prompt_id"]] / row["tokens_per_s"] for row in rows if row["config"] == config and row["prompt_id"] in plain]
+            ratios = [plain[key] / row["tokens_per_s"] for row in rows
+                      if row["config"] == config and (key := (row["prompt_id"], row.get("seed", 0))) in plain]
             q1, q3 = (statistics.quantiles(speeds, n=4)[i] for i in (0, 2)) if len(speeds) > 1 else (speeds[0], speeds[0])
             auto_ratio = entry[config]["edge_auto_over_this"]
             cells = [f"{statistics.median(speeds):.1f} ({q1:.1f}–{q3:.1f})", f"{statistics.median(accepted):.2f}" if accepted else "–",
@@ -207,8 +237,8 @@ def report(results: dict) -> list[str]:
 def summarize(runs: list[dict], configs: list[str]) -> dict:
     """Median tokens/s per config and category, and edge-auto's per-prompt ratio to each."""
     by = defaultdict(dict)
-    for row in runs:
-        by[(row["category"], row["prompt_id"])][row["config"]] = row["tokens_per_s"]
+    for row in runs:  # a prompt at a temperature pairs runs of the same seed
+        by[(row["category"], (row["prompt_id"], row.get("seed", 0)))][row["config"]] = row["tokens_per_s"]
     summary = {}
     for category in sorted({row["category"] for row in runs}):
         prompts = {pid: rows for (cat, pid), rows in by.items() if cat == category}

@@ -82,10 +82,14 @@ def _rounds(steps) -> dict:
     return {"by_drafter": by_drafter, "by_gamma": by_gamma, "target_ms": target_ms, "draft_s": draft_s, "drafted": drafted}
 
 
+COPIERS = ("lookup", "suffix")  # drafters that copy text: no model pass per drafted token
+
+
 def _mode_cost(by_drafter: dict) -> float | None:
-    """One c per mode: its model drafter's (auto: the model part; lookup: its own small cost)."""
-    model_parts = [name for name in by_drafter if name != "lookup"]
-    return by_drafter.get(model_parts[0]) if model_parts else by_drafter.get("lookup")
+    """One c per mode: its model drafter's (auto: the model part), else its copier's small cost
+    (a mode that never drafted with a model)."""
+    names = [name for name in by_drafter if name not in COPIERS] or list(by_drafter)
+    return by_drafter.get(names[0]) if names else None
 
 
 alpha_of = acceptance_alpha  # the runtime's one definition of α

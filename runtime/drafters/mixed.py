@@ -7,19 +7,24 @@ from runtime.drafters.prompt_lookup import PromptLookupDrafter
 
 
 class MixedDrafter(Selects):
-    def __init__(self, lookup: PromptLookupDrafter, model: Drafter | None, name: str = "auto"):
-        self.lookup = lookup
+    """Copiers (prompt lookup; the suffix cache of earlier requests) and a draft model. Each
+    copier that has a match is a candidate, so the policy weighs every kind of copy by its own
+    α against the model's round: a copier added can only widen the choice."""
+
+    def __init__(self, copiers: list[PromptLookupDrafter], model: Drafter | None, name: str = "auto"):
+        self.copiers = list(copiers)
         self.model = model
         self.name = name
 
     def candidates(self, tokens):
-        # A suffix match costs nothing to find and drafts for free: preferred when it is there.
+        # A match costs nothing to find and drafts for free: preferred when there is one.
+        found = [copier for copier in self.copiers if len(copier.find(tokens, 1))]
         if self.model is None:
-            return [self.lookup]
-        return [self.lookup, self.model] if len(self.lookup.find(tokens, 1)) else [self.model]
+            return found or self.copiers[:1]
+        return [*found, self.model]
 
     def parts(self):
-        return [self.lookup] + ([self.model] if self.model is not None else [])
+        return self.copiers + ([self.model] if self.model is not None else [])
 
     def propose(self, tokens, gamma, sampling, rng):
         return self.candidates(tokens)[0].propose(tokens, gamma, sampling, rng)

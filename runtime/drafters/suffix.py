@@ -147,13 +147,16 @@ EARLIER = 8  # evidence classes of copies from earlier requests start here (the 
 
 class SuffixDrafter(PromptLookupDrafter, Remembers):
     """Prompt lookup over this sequence and a suffix index of the sequences before it: each
-    sequence goes into the index when the next one starts."""
+    sequence goes into the index when the next one starts. With own_text False it drafts only
+    where an earlier request matches longer than this one's own text, leaving the rest to a
+    prompt lookup beside it (auto+suffix)."""
 
     name = "suffix"
 
-    def __init__(self, index: SuffixIndex):
+    def __init__(self, index: SuffixIndex, own_text: bool = True):
         super().__init__(min_ngram=index.settings.key_len)
         self.index = index
+        self.own_text = own_text
         self._seen: np.ndarray | None = None  # the committed tokens of the sequence under way
         self._copied: tuple[bytes, list[int], int] | None = None  # the last continuation asked for
 
@@ -178,6 +181,8 @@ class SuffixDrafter(PromptLookupDrafter, Remembers):
         key = tokens.tobytes()
         if self._copied is None or self._copied[0] != key:
             self._copied = (key, *self.index.continuation(tokens, MAX_GAMMA, live=tokens))
+            if not self.own_text and self._copied[2] <= self.match(tokens)[1]:
+                self._copied = (key, [], 0)  # this request's own text matches as long: lookup's round
         return self._copied[1], self._copied[2]
 
     def find(self, tokens, gamma):
