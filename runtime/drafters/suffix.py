@@ -180,9 +180,13 @@ class SuffixDrafter(PromptLookupDrafter, Remembers):
         tokens or the index change."""
         key = tokens.tobytes()
         if self._copied is None or self._copied[0] != key:
-            self._copied = (key, *self.index.continuation(tokens, MAX_GAMMA, live=tokens))
-            if not self.own_text and self._copied[2] <= self.match(tokens)[1]:
-                self._copied = (key, [], 0)  # this request's own text matches as long: lookup's round
+            if self.own_text:
+                self._copied = (key, *self.index.continuation(tokens, MAX_GAMMA, live=tokens))
+            else:
+                # Earlier requests alone: where they match no longer than this request's own
+                # text, the round is the prompt lookup's beside it.
+                drafted, matched = self.index.continuation(tokens, MAX_GAMMA)
+                self._copied = (key, drafted, matched) if matched > self.match(tokens)[1] else (key, [], 0)
         return self._copied[1], self._copied[2]
 
     def find(self, tokens, gamma):
