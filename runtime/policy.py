@@ -118,9 +118,10 @@ class ProbeSchedule:
 class LossLedger:
     """What a drafter's rounds lost against plain decoding in this sequence, by the clock.
     Predictions rest on α and costs estimated from few rounds; the ledger on what the rounds
-    really took (draft replay included). Wins earn room for later rounds, and so does every
-    token the sequence commits: the loss may reach max_loss of the plain time of the horizon
-    plus the tokens so far, so a drafter switched off by early losses can come back."""
+    really took (a draft model's replay by the share each round pays, PartPolicy.replay_share).
+    Wins earn room for later rounds, and so does every token the sequence commits: the loss may
+    reach max_loss of the plain time of the horizon plus the tokens so far, so a drafter
+    switched off by early losses can come back."""
 
     def __init__(self, max_loss: float, costs: CostModel):
         self.max_loss = max_loss
@@ -131,19 +132,28 @@ class LossLedger:
         self.horizon_tokens = horizon_tokens
         self.loss_seconds = 0.0
         self.tokens = 0
+        self.taken = 0  # of those, committed by another part's rounds
 
     def record(self, seconds: float, n_tokens: int) -> None:
         """A round took `seconds` and committed n_tokens, which plain decoding takes n_tokens
         1-token passes for."""
         self.loss_seconds += seconds - n_tokens * self.costs.target_cost(1)
 
-    def advance(self, n_tokens: int) -> None:
-        """The sequence committed n_tokens (any round, plain steps included)."""
+    def advance(self, n_tokens: int, taken: bool = False) -> None:
+        """The sequence committed n_tokens (any round, plain steps included); taken: by a round
+        another part of the drafter drafted."""
         self.tokens += n_tokens
+        self.taken += n_tokens if taken else 0
 
     def room(self) -> float:
         """Seconds a round may still lose."""
         return self.max_loss * (self.horizon_tokens + self.tokens) * self.costs.target_cost(1) - self.loss_seconds
+
+    def reach(self) -> float:
+        """Tokens this part may still expect to commit: what the horizon still holds, less the
+        share other parts have taken so far (at least one)."""
+        left = self.horizon_tokens - self.tokens
+        return max(1.0, left * (1.0 - self.taken / self.tokens) if self.tokens else float(left))
 
 
 class PartPolicy:
@@ -178,18 +188,29 @@ class PartPolicy:
         for estimate in self.estimates.values():
             estimate.carry_over(self.config.prior_weight)
 
+    def replay_share(self, replay_seconds: float, n_tokens: float) -> float:
+        """The part of a replay that the ledger holds against a round committing n_tokens. A
+        replay is paid once to bring a draft model back and serves every round it drafts after,
+        so it is spread over the tokens the model may still commit (LossLedger.reach). Held
+        whole against one round, it grew with every token the model sat out while the room
+        grows by max_loss of a pass per token, and a model that fell behind could not even be
+        probed again in the sequence."""
+        return replay_seconds * min(1.0, n_tokens / self.ledger.reach())
+
     def round_cost(self, gamma: int, draft_step_cost: float, replay_seconds: float = 0.0) -> float:
         return replay_seconds + gamma * draft_step_cost + self.costs.target_cost(gamma + 1)
 
     def expected_speedup(self, gamma: int, draft_step_cost: float, replay_seconds: float = 0.0, evidence: int = 0) -> float:
+        """With the replay whole: a round chosen on its merit must repay it (after copy streaks
+        on code, a model that returns pays a new replay at each return)."""
         if gamma == 0:
             return 1.0
         tokens = expected_tokens_per_pass(self.alpha(evidence), gamma)
         return tokens * self.costs.target_cost(1) / self.round_cost(gamma, draft_step_cost, replay_seconds)
 
     def worst_loss(self, gamma: int, draft_step_cost: float, replay_seconds: float = 0.0) -> float:
-        """What the round loses against a plain step if the target rejects every drafted token."""
-        return self.round_cost(gamma, draft_step_cost, replay_seconds) - self.costs.target_cost(1)
+        """What the ledger would hold against the round if the target rejected every drafted token."""
+        return self.round_cost(gamma, draft_step_cost, self.replay_share(replay_seconds, 1)) - self.costs.target_cost(1)
 
     def _gains(self, draft_step_cost: float, replay_seconds: float, evidence: int) -> dict[int, float]:
         """Expected speedup of a plain step (γ 0) and of every γ whose worst case the ledger affords."""
@@ -205,11 +226,10 @@ class PartPolicy:
 
     def choose(self, draft_step_cost: float, replay_seconds: float = 0.0, evidence: int = 0) -> int:
         """γ for the next round (0: a plain target step), given the seconds of one draft step
-        (0 for copying drafters), of replaying what the drafter missed before it can draft
-        (a draft model after plain or copy rounds: this round pays for it), and the round's
-        evidence class. Only a γ whose worst case the ledger can afford is considered: a long
-        first round on a prior carried over from other text must not spend the whole
-        sequence's room at once."""
+        (0 for copying drafters), of replaying what the drafter missed before it can draft (a
+        draft model after plain or copy rounds), and the round's evidence class. Only a γ whose
+        worst case the ledger can afford is considered: a long first round on a prior carried
+        over from other text must not spend the whole sequence's room at once."""
         if self.config.fixed is not None:
             return self.config.fixed
         gains = self._gains(draft_step_cost, replay_seconds, evidence)
@@ -286,13 +306,14 @@ class RoundPolicy:
         """Learn from a finished round: the verify pass's cost, and for a drafted round its
         drafter's α, probe outcome, ledger entry and draft and replay costs."""
         self.costs.record_target(done.n_drafted + 1, done.target_s)
-        for policy in self.parts.values():
-            policy.ledger.advance(done.n_committed)
-        if not done.n_drafted:
-            return
-        part = self.parts[done.drafter]
-        part.update(done.n_drafted, done.n_accepted, self._evidence)
-        part.ledger.record(done.round_s, done.n_committed)
-        if done.drafter in self._priced:
-            self.costs.record_draft(done.drafter, done.n_drafted, done.draft_s - done.catch_up_s)
-            self.costs.record_replay(done.drafter, done.catch_up_tokens, done.catch_up_s)
+        if done.n_drafted:
+            part = self.parts[done.drafter]
+            part.update(done.n_drafted, done.n_accepted, self._evidence)
+            # The ledger holds the round's share of its replay (replay_share).
+            replay = part.replay_share(done.catch_up_s, done.n_committed)
+            part.ledger.record(done.round_s - done.catch_up_s + replay, done.n_committed)
+            if done.drafter in self._priced:
+                self.costs.record_draft(done.drafter, done.n_drafted, done.draft_s - done.catch_up_s)
+                self.costs.record_replay(done.drafter, done.catch_up_tokens, done.catch_up_s)
+        for name, policy in self.parts.items():
+            policy.ledger.advance(done.n_committed, taken=done.drafter not in (None, name))

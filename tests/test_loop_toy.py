@@ -436,13 +436,62 @@ def test_loop_feeds_the_ledger_what_rounds_took():
     assert all(step.n_drafted == 0 for step in later)  # over budget: plain steps only
 
 
-def test_replay_is_priced_into_the_round_that_pays_it():
+def test_a_replay_counts_whole_in_the_gain_and_by_its_share_in_the_ledger():
     costs = _costs({1: 1.0, 2: 1.1, 3: 1.2, 5: 1.4})
     controller = _with_alpha(0.9, costs, GammaConfig(probe_first=100))
+    controller.start(horizon_tokens=100)
     assert controller.choose(draft_step_cost=0.1) >= 1  # a cheap, accurate draft wins ...
-    assert controller.choose(draft_step_cost=0.1, replay_seconds=10.0) == 0  # ... unless it must first replay 10 s
+    assert controller.choose(draft_step_cost=0.1, replay_seconds=10.0) == 0  # ... unless its round cannot repay a 10 s replay
     assert controller.expected_speedup(2, 0.1, 3.0) == pytest.approx(
         expected_tokens_per_pass(0.9, 2) * 1.0 / (3.0 + 2 * 0.1 + costs.target_cost(3)))
+    # The ledger would hold a hundredth of it: the round's token of the 100 the model may still commit.
+    assert controller.worst_loss(2, 0.1, 3.0) == pytest.approx(3.0 / 100 + 2 * 0.1 + costs.target_cost(3) - 1.0)
+    controller.ledger.advance(98)  # two tokens left: half of it
+    assert controller.worst_loss(2, 0.1, 3.0) == pytest.approx(3.0 / 2 + 2 * 0.1 + costs.target_cost(3) - 1.0)
+
+
+def test_a_draft_model_that_sat_out_comes_back():
+    """A rejected round that spends the ledger, then plain steps: the replay owed grows by a
+    token each step. Held whole against the next round it outgrew the room (which grows by
+    max_loss of a pass per token), so not even a probe could run and the draft model never
+    drafted again; held by its share, a probe runs once the room allows."""
+    costs = _costs({1: 1.0, 2: 1.27, 3: 1.84, 4: 2.13})
+    controller = _with_alpha(0.95, costs)
+    controller.start(horizon_tokens=128)
+    controller.ledger.record(2 * 0.16 + 1.84, 1)  # a γ = 2 round rejected at its first token
+    controller.ledger.advance(1)
+    lag, drafted = 0, []
+    for _ in range(100):
+        gamma = controller.choose(draft_step_cost=0.16, replay_seconds=0.08 * lag)
+        drafted.append(gamma)
+        if gamma:
+            break
+        lag += 1
+        controller.ledger.advance(1)
+    assert drafted[-1] >= 1 and lag > 10  # it sat out, then its replay did not keep it out
+
+
+def test_the_ledger_records_a_replay_by_the_share_its_round_pays():
+    lm = ToyLM(3)
+    policy = RoundPolicy(_costs({1: 1.0, 2: 1.0})).start(DraftModelDrafter(lm), horizon_tokens=50)
+    part = policy.parts["model"]
+    policy.observe(Round("model", 2, 2, 2, 3, draft_s=2.5, target_s=1.0, round_s=3.5, catch_up_tokens=20, catch_up_s=2.0))
+    # 3.5 s, less the 2 s replay, plus 3/50 of it; against 3 one-token passes.
+    assert part.ledger.loss_seconds == pytest.approx(3.5 - 2.0 + 2.0 * 3 / 50 - 3.0)
+    assert part.ledger.tokens == 3
+
+
+def test_a_replay_is_spread_over_the_tokens_copies_leave_the_draft_model():
+    from runtime.drafters.mixed import MixedDrafter
+
+    policy = RoundPolicy(_costs({1: 1.0, 2: 1.1})).start(MixedDrafter([PromptLookupDrafter()], DraftModelDrafter(ToyLM(3))), horizon_tokens=100)
+    model, lookup = policy.parts["model"], policy.parts["lookup"]
+    policy.observe(Round("lookup", 8, 8, 8, 9, draft_s=0.0, target_s=2.0, round_s=2.0))
+    policy.observe(Round(None, 0, 0, 0, 1, draft_s=0.0, target_s=1.0, round_s=1.0))
+    assert (model.ledger.taken, lookup.ledger.taken, model.ledger.tokens) == (9, 0, 10)
+    # 90 tokens left, of which the model may expect the tenth that copies did not take.
+    assert model.ledger.reach() == pytest.approx(9.0) and lookup.ledger.reach() == pytest.approx(90.0)
+    assert model.worst_loss(1, 0.1, 3.0) == pytest.approx(3.0 / 9 + 0.1 + 1.1 - 1.0)
 
 
 def test_a_probe_the_ledger_cannot_afford_is_not_run():
@@ -453,8 +502,8 @@ def test_a_probe_the_ledger_cannot_afford_is_not_run():
     assert [cheap.choose(draft_step_cost=3.0) for _ in range(2)] == [0, 1]  # expected loss 2.5 s: affordable
     costly = _with_alpha(0.5, costs, config)
     costly.start(horizon_tokens=100)
-    # With 10 s of replay ahead the probe would lose ~10 s: more than the whole budget.
-    assert [costly.choose(draft_step_cost=3.0, replay_seconds=10.0) for _ in range(6)] == [0] * 6
+    # 1000 s of replay ahead: even the hundredth of it a 1-token round pays is twice the budget.
+    assert [costly.choose(draft_step_cost=3.0, replay_seconds=1000.0) for _ in range(6)] == [0] * 6
 
 
 def test_replay_cost_is_measured_per_token():

@@ -60,14 +60,20 @@ class LossLedger(private val maxLoss: Double, private val costs: CostModel) {
     var horizonTokens = 256
     var lossSeconds = 0.0
     var tokens = 0
+    var taken = 0  // of those, committed by another part's rounds
 
-    fun start(horizonTokens: Int = 256) { this.horizonTokens = horizonTokens; lossSeconds = 0.0; tokens = 0 }
+    fun start(horizonTokens: Int = 256) { this.horizonTokens = horizonTokens; lossSeconds = 0.0; tokens = 0; taken = 0 }
     /** A round took `seconds` and committed nTokens, which plain decoding takes nTokens 1-token passes for. */
     fun record(seconds: Double, nTokens: Int) { lossSeconds += seconds - nTokens * costs.targetCost(1) }
-    /** The sequence committed nTokens (any round, plain steps included). */
-    fun advance(nTokens: Int) { tokens += nTokens }
+    /** The sequence committed nTokens (any round, plain steps included); taken: by a round another part drafted. */
+    fun advance(nTokens: Int, taken: Boolean = false) { tokens += nTokens; if (taken) this.taken += nTokens }
     /** Seconds a round may still lose. */
     fun room(): Double = maxLoss * (horizonTokens + tokens) * costs.targetCost(1) - lossSeconds
+    /** Tokens this part may still expect to commit: what the horizon still holds, less the share other parts took (at least one). */
+    fun reach(): Double {
+        val left = horizonTokens - tokens
+        return maxOf(1.0, if (tokens > 0) left * (1.0 - taken.toDouble() / tokens) else left.toDouble())
+    }
 }
 
 /**
@@ -89,18 +95,22 @@ class PartPolicy(val config: GammaConfig, val costs: CostModel, private val prio
         probes.start(); ledger.start(horizonTokens); estimates.values.forEach { it.carryOver(config.priorWeight) }
     }
 
+    /** The part of a replay the ledger holds against a round committing nTokens: spread over the tokens the model may still commit (runtime/policy.py). */
+    fun replayShare(replaySeconds: Double, nTokens: Double): Double = replaySeconds * minOf(1.0, nTokens / ledger.reach())
+
     fun roundCost(gamma: Int, draftStepCost: Double, replaySeconds: Double = 0.0): Double =
         replaySeconds + gamma * draftStepCost + costs.targetCost(gamma + 1)
 
+    /** With the replay whole: a round chosen on its merit must repay it. */
     fun expectedSpeedup(gamma: Int, draftStepCost: Double, replaySeconds: Double = 0.0, evidence: Int = 0): Double {
         if (gamma == 0) return 1.0
         val tokens = Verify.expectedTokensPerPass(alpha(evidence), gamma)
         return tokens * costs.targetCost(1) / roundCost(gamma, draftStepCost, replaySeconds)
     }
 
-    /** What the round loses against a plain step if the target rejects every drafted token. */
+    /** What the ledger would hold against the round if the target rejected every drafted token. */
     fun worstLoss(gamma: Int, draftStepCost: Double, replaySeconds: Double = 0.0): Double =
-        roundCost(gamma, draftStepCost, replaySeconds) - costs.targetCost(1)
+        roundCost(gamma, draftStepCost, replayShare(replaySeconds, 1.0)) - costs.targetCost(1)
 
     /** Expected speedup of a plain step (γ 0) and of every γ whose worst case the ledger affords. */
     private fun gains(draftStepCost: Double, replaySeconds: Double, evidence: Int): Map<Int, Double> {
@@ -179,14 +189,17 @@ class RoundPolicy(val costs: CostModel = CostModel(), private val priorAlpha: Do
     /** Learns from a finished round: the verify pass's cost, and for a drafted round its drafter's α, probe, ledger, draft and replay costs. */
     fun observe(done: Round) {
         costs.recordTarget(done.nDrafted + 1, done.targetSeconds)
-        for (policy in parts.values) policy.ledger.advance(done.nCommitted)
-        if (done.nDrafted == 0) return
-        val part = parts.getValue(done.drafter!!)
-        part.update(done.nDrafted, done.nAccepted, evidence)
-        part.ledger.record(done.roundSeconds, done.nCommitted)
-        if (done.drafter in priced) {
-            costs.recordDraft(done.drafter, done.nDrafted, done.draftSeconds - done.catchUpSeconds)
-            costs.recordReplay(done.drafter, done.catchUpTokens, done.catchUpSeconds)
+        if (done.nDrafted > 0) {
+            val part = parts.getValue(done.drafter!!)
+            part.update(done.nDrafted, done.nAccepted, evidence)
+            // The ledger holds the round's share of its replay, as the policy priced it.
+            val replay = part.replayShare(done.catchUpSeconds, done.nCommitted.toDouble())
+            part.ledger.record(done.roundSeconds - done.catchUpSeconds + replay, done.nCommitted)
+            if (done.drafter in priced) {
+                costs.recordDraft(done.drafter, done.nDrafted, done.draftSeconds - done.catchUpSeconds)
+                costs.recordReplay(done.drafter, done.catchUpTokens, done.catchUpSeconds)
+            }
         }
+        for ((name, policy) in parts) policy.ledger.advance(done.nCommitted, taken = done.drafter != null && done.drafter != name)
     }
 }
