@@ -118,7 +118,7 @@ class ProbeSchedule:
 class LossLedger:
     """What a drafter's rounds lost against plain decoding in this sequence, by the clock.
     Predictions rest on α and costs estimated from few rounds; the ledger on what the rounds
-    really took (a draft model's replay by the share each round pays, PartPolicy.replay_share).
+    really took (a draft model's replay by the share held against each round, PartPolicy.replay_share).
     Wins earn room for later rounds, and so does every token the sequence commits: the loss may
     reach max_loss of the plain time of the horizon plus the tokens so far, so a drafter
     switched off by early losses can come back."""

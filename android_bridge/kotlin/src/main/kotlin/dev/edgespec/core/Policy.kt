@@ -192,7 +192,7 @@ class RoundPolicy(val costs: CostModel = CostModel(), private val priorAlpha: Do
         if (done.nDrafted > 0) {
             val part = parts.getValue(done.drafter!!)
             part.update(done.nDrafted, done.nAccepted, evidence)
-            // The ledger holds the round's share of its replay, as the policy priced it.
+            // The ledger holds the round's share of its replay (replayShare); the expected gain counts it whole.
             val replay = part.replayShare(done.catchUpSeconds, done.nCommitted.toDouble())
             part.ledger.record(done.roundSeconds - done.catchUpSeconds + replay, done.nCommitted)
             if (done.drafter in priced) {
