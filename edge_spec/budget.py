@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from edge_spec.manifest import ArchInfo, BundleError, Manifest
+from edge_spec.manifest import DEFAULT_QUANT_BLOCK, ArchInfo, BundleError, Manifest
 from edge_spec.profiles import PROFILES
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
@@ -34,8 +34,7 @@ TOKENIZER_BYTES_PER_TOKEN = 720  # the same, per vocabulary entry, for export (n
 
 PREFILL_CHUNK = 256  # ModelRunner.prefill's chunk (runtime/model.py): the longest block a pass takes
 DEFAULT_MAX_GAMMA = 8  # EngineConfig.max_gamma: verify passes take γ+1 tokens, γ ≤ max_gamma
-QUANT_BLOCK = 32  # export/quantize.py BLOCK_SIZE: one float32 scale per 32 weights
-_SCALE = 4 / QUANT_BLOCK  # scale bytes per weight
+QUANT_BLOCK = DEFAULT_QUANT_BLOCK  # export --block-size's default: one float32 scale per block of weights
 _BITS = {"int4": 4, "int8": 8}
 _FLOAT_BYTES = {"fp16": 2, "fp32": 4}
 KV_ITEM_BYTES = {"float32": 4, "float16": 2}
@@ -112,17 +111,22 @@ def format_size(n: int) -> str:
 # -- weights -----------------------------------------------------------------------------
 
 
-def matmul_bytes_per_weight(quant: str) -> float:
+def scale_bytes_per_weight(block: int = QUANT_BLOCK) -> float:
+    """One float32 scale per block of weights."""
+    return 4 / block
+
+
+def matmul_bytes_per_weight(quant: str, block: int = QUANT_BLOCK) -> float:
     """Stored bytes per weight of a quantized matrix: MatMulNBits data plus its block scales."""
     if quant in _BITS:
-        return _BITS[quant] / 8 + _SCALE
+        return _BITS[quant] / 8 + scale_bytes_per_weight(block)
     return _FLOAT_BYTES[quant]
 
 
-def embed_bytes_per_weight(quant: str) -> float:
+def embed_bytes_per_weight(quant: str, block: int = QUANT_BLOCK) -> float:
     """The embedding table: 4-bit GatherBlockQuantized for int4 and int8 (ORT's Gather
     quantizer has only 4 bits), float otherwise."""
-    return 0.5 + _SCALE if quant in _BITS else _FLOAT_BYTES[quant]
+    return 0.5 + scale_bytes_per_weight(block) if quant in _BITS else _FLOAT_BYTES[quant]
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,7 @@ class StoredWeights:
     layers: int  # decoder layers: MatMul weights, norms, biases (and each graph's own bytes)
     head: int = 0  # the LM head matrix (and the final norm)
     embed: int = 0  # the embedding table
+    block: int = QUANT_BLOCK  # weights per scale at int4/int8 (export --block-size)
 
     @property
     def stored(self) -> int:
@@ -145,12 +150,14 @@ class StoredWeights:
         MatMulNBits (int4/int8): the data is prepacked and the original released; the block
         scales are copied into the packed weight, block sums are added beside them, and the
         original scales stay memory-mapped (the kernel reads them): data + 3x scales, 1.40x
-        the stored int4 bytes and 1.22x int8 (what was measured: BENCHMARKS.md). The head's
+        the stored int4 bytes and 1.22x int8 at blocks of 32 (what was measured: BENCHMARKS.md;
+        other blocks by their own count of scales, not measured). The head's
         prepack scratch, one more scales' worth, stays in its session's arena."""
         if self.quant in _BITS:
-            per_weight = matmul_bytes_per_weight(self.quant)
-            factor = (per_weight + 2 * _SCALE) / per_weight
-            head_scratch = self.head * _SCALE / per_weight
+            per_weight = matmul_bytes_per_weight(self.quant, self.block)
+            scale = scale_bytes_per_weight(self.block)
+            factor = (per_weight + 2 * scale) / per_weight
+            head_scratch = self.head * scale / per_weight
             return round((self.layers + self.head) * factor + head_scratch)
         if self.quant == "fp16":
             return round(self.layers * _FP16_LAYERS + self.head * _FP16_HEAD)
@@ -165,16 +172,16 @@ class StoredWeights:
         """Bytes held only while the head's session is made: its unpacked weight (float32 for
         fp16) beside the packed copy (measured: the head's full data size)."""
         if self.quant in _BITS:
-            return round(self.head * (_BITS[self.quant] / 8) / matmul_bytes_per_weight(self.quant))
+            return round(self.head * (_BITS[self.quant] / 8) / matmul_bytes_per_weight(self.quant, self.block))
         return self.head * (2 if self.quant == "fp16" else 1)
 
     def __add__(self, other: "StoredWeights") -> "StoredWeights":
-        return StoredWeights(self.quant, self.layers + other.layers, self.head + other.head, self.embed + other.embed)
+        return StoredWeights(self.quant, self.layers + other.layers, self.head + other.head, self.embed + other.embed, self.block)
 
 
 def predict_weights(
     quant: str, n_layers: int, hidden_size: int, n_heads: int, n_kv_heads: int, head_dim: int,
-    intermediate_size: int, embed_rows: int, head_rows: int, qkv_bias: bool = False,
+    intermediate_size: int, embed_rows: int, head_rows: int, qkv_bias: bool = False, block: int = QUANT_BLOCK,
 ) -> StoredWeights:
     """What export will write for a Llama-family model: per layer q,k,v,o and gate,up,down
     matrices (quantized), two norms and the optional q/k/v biases (float); the embedding
@@ -182,10 +189,10 @@ def predict_weights(
     matrix = hidden_size * (2 * n_heads * head_dim + 2 * n_kv_heads * head_dim) + 3 * hidden_size * intermediate_size
     small = 2 * hidden_size + (n_heads * head_dim + 2 * n_kv_heads * head_dim if qkv_bias else 0)
     float_bytes = 2 if quant == "fp16" else 4
-    layers = n_layers * (matrix * matmul_bytes_per_weight(quant) + small * float_bytes)
-    head = head_rows * hidden_size * matmul_bytes_per_weight(quant) + hidden_size * float_bytes
-    embed = embed_rows * hidden_size * embed_bytes_per_weight(quant)
-    return StoredWeights(quant, round(layers), round(head), round(embed))
+    layers = n_layers * (matrix * matmul_bytes_per_weight(quant, block) + small * float_bytes)
+    head = head_rows * hidden_size * matmul_bytes_per_weight(quant, block) + hidden_size * float_bytes
+    embed = embed_rows * hidden_size * embed_bytes_per_weight(quant, block)
+    return StoredWeights(quant, round(layers), round(head), round(embed), block)
 
 
 # -- buffers -----------------------------------------------------------------------------
@@ -215,10 +222,10 @@ def workspace_bytes(arch: ArchInfo, intermediate_size: int, attention: str = "fu
     return round(_PATTERN_COPIES * per_pass)
 
 
-def intermediate_from_layers(arch: ArchInfo, layer_bytes: int, quant: str) -> int:
+def intermediate_from_layers(arch: ArchInfo, layer_bytes: int, quant: str, block: int = QUANT_BLOCK) -> int:
     """A role's MLP width, which the manifest does not record, from its stored layer bytes:
     each layer holds q,o [hidden, heads*D], k,v [hidden, KV heads*D] and 3 [hidden, I]."""
-    per_layer = layer_bytes / max(arch.n_layers, 1) / matmul_bytes_per_weight(quant)
+    per_layer = layer_bytes / max(arch.n_layers, 1) / matmul_bytes_per_weight(quant, block)
     attention = arch.hidden_size * (2 * arch.n_heads + 2 * arch.n_kv_heads) * arch.head_dim
     return max(round((per_layer - attention) / (3 * arch.hidden_size)), 0)
 
@@ -388,7 +395,8 @@ def drafter_roles(manifest: Manifest, drafter: str) -> tuple[str, ...]:
     return ("target",) if role is None else ("target", role)
 
 
-def _stage_weights(manifest: Manifest, bundle_dir: Path, key: str, quant: str, arch: ArchInfo, head_rows: int | None = None) -> StoredWeights:
+def _stage_weights(manifest: Manifest, bundle_dir: Path, key: str, quant: str, arch: ArchInfo, head_rows: int | None = None,
+                   block: int = QUANT_BLOCK) -> StoredWeights:
     stage = manifest.stages[key]
     if not stage.file:
         raise BundleError(
@@ -397,13 +405,13 @@ def _stage_weights(manifest: Manifest, bundle_dir: Path, key: str, quant: str, a
         )
     size = sum((bundle_dir / name).stat().st_size for name in (stage.file, *stage.data_files))
     matrix = arch.vocab_size * arch.hidden_size
-    embed = round(matrix * embed_bytes_per_weight(quant)) if stage.embed else 0
+    embed = round(matrix * embed_bytes_per_weight(quant, block)) if stage.embed else 0
     # A trimmed draft head (ModelInfo.trimmed_head) stores only its kept rows.
-    head = round((head_rows or arch.vocab_size) * arch.hidden_size * matmul_bytes_per_weight(quant)) if stage.head else 0
+    head = round((head_rows or arch.vocab_size) * arch.hidden_size * matmul_bytes_per_weight(quant, block)) if stage.head else 0
     # The rest of the files is the layers (and the graph itself).
     embed = min(embed, size)
     head = min(head, size - embed)
-    return StoredWeights(quant, size - embed - head, head, embed)
+    return StoredWeights(quant, size - embed - head, head, embed, block)
 
 
 def plan_bundle(
@@ -422,12 +430,12 @@ def plan_bundle(
         seen.update(own)
         weights = None
         for key in own:
-            stage_weights = _stage_weights(manifest, bundle_dir, key, info.quant, info.arch, info.logit_rows)
+            stage_weights = _stage_weights(manifest, bundle_dir, key, info.quant, info.arch, info.logit_rows, info.block_size)
             weights = stage_weights if weights is None else weights + stage_weights
         layered = [manifest.stages[key] for key in own if manifest.stages[key].layers]
         # Bundles from before the fused kind have no `attention` field: they are portable.
         attention = getattr(layered[0], "attention", "portable") if layered else "fused"
-        intermediate = intermediate_from_layers(info.arch, weights.layers, info.quant) if weights else 0
+        intermediate = intermediate_from_layers(info.arch, weights.layers, info.quant, info.block_size) if weights else 0
         float16 = PROFILES[manifest.device].activations == "float16"
         roles.append(RolePlan(role, info.arch, weights, len(layered), info.shares_kv_with, intermediate, attention, float16))
     tokenizer_file = bundle_dir / manifest.tokenizer.file
@@ -460,33 +468,35 @@ class ModelFacts:
     def arch(self, max_context: int, vocab_rows: int, kv_dtype: str = "float32") -> ArchInfo:
         return ArchInfo(self.model_type, self.n_layers, self.n_heads, self.n_kv_heads, self.head_dim, self.hidden_size, vocab_rows, max_context, kv_dtype)
 
-    def weights(self, quant: str, vocab_rows: int) -> StoredWeights:
+    def weights(self, quant: str, vocab_rows: int, block: int = QUANT_BLOCK) -> StoredWeights:
         return predict_weights(
             quant, self.n_layers, self.hidden_size, self.n_heads, self.n_kv_heads, self.head_dim,
-            self.intermediate_size, self.vocab_size, vocab_rows, self.qkv_bias,
+            self.intermediate_size, self.vocab_size, vocab_rows, self.qkv_bias, block,
         )
 
 
 def plan_export(
     target: ModelFacts, quant: str, max_context: int, drafts: tuple[str, ...], draft_facts: dict[str, ModelFacts],
     budget: int | None = None, source: str = "", attention: str = "fused", device: str = "cpu", draft_vocab: int | None = None,
+    block: int = QUANT_BLOCK,
 ) -> Plan:
     """The plan of the bundle export would write, run with the runtime's default drafter
     (auto: the draft model if there is one, else the layer-skip draft), before anything is
     written. drafts: export's specs, model specs (keys of draft_facts) and/or "layer-skip:N".
-    draft_vocab: the rows a trimmed draft head keeps (export --draft-vocab)."""
+    draft_vocab: the rows a trimmed draft head keeps (export --draft-vocab); block: weights per
+    int4/int8 scale (export --block-size)."""
     profile = PROFILES[device]
     float16 = profile.activations == "float16"
     layer_skips = [d for d in drafts if d.startswith(LAYER_SKIP_PREFIX)]
     models = [draft_facts[d] for d in drafts if not d.startswith(LAYER_SKIP_PREFIX)]
     vocab_rows = min([target.vocab_size] + [m.vocab_size for m in models])
     target_arch = target.arch(max_context, vocab_rows, profile.kv_dtype)
-    weights = target.weights(quant, vocab_rows)
+    weights = target.weights(quant, vocab_rows, block)
     roles = [RolePlan("target", target_arch, weights, 2 if layer_skips else 1, None, target.intermediate_size, attention, float16)]
     if models:
         draft = models[0]
         roles.append(RolePlan(
-            "draft", draft.arch(max_context, vocab_rows, profile.kv_dtype), draft.weights(quant, min(draft_vocab or vocab_rows, vocab_rows)), 1, None,
+            "draft", draft.arch(max_context, vocab_rows, profile.kv_dtype), draft.weights(quant, min(draft_vocab or vocab_rows, vocab_rows), block), 1, None,
             draft.intermediate_size, attention, float16,
         ))
     elif layer_skips:
@@ -513,6 +523,7 @@ class ExportChoice:
 def choose_export(
     target: ModelFacts, quant: str, max_context: int, drafts: tuple[str, ...], draft_facts: dict[str, ModelFacts],
     budget: int, source: str = "", attention: str = "fused", device: str = "cpu", draft_vocab: int | None = None,
+    block: int = QUANT_BLOCK,
 ) -> ExportChoice:
     """The first export that fits the budget, giving up the least-valued thing first: the
     longest context (halved, not below MIN_BUDGET_CONTEXT), then the draft model (a
@@ -529,7 +540,7 @@ def choose_export(
     for q in quants:
         for option in draft_options:
             for context in contexts:
-                plan = plan_export(target, q, context, option, draft_facts, budget, source, attention, device, draft_vocab)
+                plan = plan_export(target, q, context, option, draft_facts, budget, source, attention, device, draft_vocab, block)
                 if plan.fits:
                     changes = []
                     if context != max_context:

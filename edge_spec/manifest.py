@@ -19,10 +19,15 @@ from edge_spec import names
 from edge_spec.profiles import PROFILES
 
 SCHEMA_VERSION = 3  # 2: StageInfo.attention (fused graphs write KV in place); 3: Manifest.device, fused position inputs
-# Not bumped for ModelInfo.trimmed_head: absent means the old full head, and a reader without the field refuses it by name.
+# Not bumped for ModelInfo.trimmed_head or ModelInfo.block_size: absent means the old full head and
+# blocks of 32, and a reader without the field refuses it by name.
 MANIFEST_FILE = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
 QUANTS = ("int4", "int8", "fp16", "fp32")
+# Weights per scale of an int4/int8 matrix (MatMulNBits' and GatherBlockQuantized's block_size:
+# a power of two from 16). Larger blocks store fewer scales and run faster, at some precision.
+QUANT_BLOCKS = (16, 32, 64, 128, 256)
+DEFAULT_QUANT_BLOCK = 32
 KV_DTYPES = ("float32", "float16")
 
 
@@ -103,6 +108,7 @@ class ModelInfo:
     stages: tuple[str, ...]
     shares_kv_with: str | None = None
     trimmed_head: TrimmedHead | None = None  # None: the head scores every one of arch.vocab_size rows
+    block_size: int = DEFAULT_QUANT_BLOCK  # QUANT_BLOCKS: weights per scale at int4/int8; unused at fp16/fp32
 
     @property
     def logit_rows(self) -> int:
@@ -272,6 +278,8 @@ def validate(manifest: Manifest, bundle_dir: Path, check_hashes: bool = True) ->
     for role, model in manifest.models.items():
         if model.quant not in QUANTS:
             raise BundleError(f"model {role!r}: unknown quantization {model.quant!r} (known: {QUANTS})")
+        if isinstance(model.block_size, bool) or not isinstance(model.block_size, int) or model.block_size not in QUANT_BLOCKS:
+            raise BundleError(f"model {role!r}: block_size {json.dumps(model.block_size)[:40]} is not one of {list(QUANT_BLOCKS)}")
         if model.arch.kv_dtype not in KV_DTYPES:
             raise BundleError(f"model {role!r}: unknown KV dtype {model.arch.kv_dtype!r}")
         windows = model.arch.layer_windows

@@ -1,4 +1,4 @@
-"""python -m export MODEL --out DIR [--quant ...] [--max-context N] [--draft D ...] [--memory-budget SIZE]"""
+"""python -m export MODEL --out DIR [--quant ...] [--block-size N] [--max-context N] [--draft D ...] [--memory-budget SIZE]"""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from edge_spec.catalog import CATALOG
-from edge_spec.manifest import QUANTS
+from edge_spec.manifest import DEFAULT_QUANT_BLOCK, QUANT_BLOCKS, QUANTS
 from edge_spec.profiles import DEVICES
 
 
@@ -37,6 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", help=f"catalog alias ({', '.join(CATALOG)}), hub id, local HF folder or .gguf file")
     parser.add_argument("--out", type=Path, help="bundle folder to write (default: bundles/<model>-<quant>)")
     parser.add_argument("--quant", default="int4", choices=QUANTS)
+    parser.add_argument(
+        "--block-size", type=int, default=DEFAULT_QUANT_BLOCK, choices=QUANT_BLOCKS, metavar="N",
+        help=f"int4/int8 weights per scale, one of {', '.join(map(str, QUANT_BLOCKS))}: larger blocks decode faster at some "
+        f"precision (see README, Precision) (default {DEFAULT_QUANT_BLOCK})",
+    )
     parser.add_argument("--max-context", type=int, default=2048, help="KV buffer length in tokens (default 2048)")
     parser.add_argument(
         "--draft",
@@ -100,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sources = tuple(x.strip() for x in args.draft_vocab_from.split(",") if x.strip())
         config = ExportConfig(args.model, out, args.quant, args.max_context, drafts, args.force, formats=formats, attention=args.attention, device=args.device,
-                              draft_vocab=args.draft_vocab, draft_vocab_from=sources)
+                              draft_vocab=args.draft_vocab, draft_vocab_from=sources, block_size=args.block_size)
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -131,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         roles = {role: {"layers": m.arch.n_layers, "stages": list(m.stages), "source": m.source, "logit_rows": m.logit_rows} for role, m in manifest.models.items()}
         summary = {
-            "bundle": str(out), "device": config.device, "quant": config.quant, "attention": config.attention,
+            "bundle": str(out), "device": config.device, "quant": config.quant, "block_size": config.block_size, "attention": config.attention,
             "max_context": config.max_context, "roles": roles, "bytes": sizes, "seconds": seconds,
             "peak_rss_bytes": peak,
         }
@@ -140,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(summary))
         return 0
     roles = ", ".join(f"{role} ({m.arch.n_layers} layers{f', head of {m.logit_rows} tokens' if m.trimmed_head else ''})" for role, m in manifest.models.items())
-    print(f"{out}: {roles}; --device {config.device}; {config.quant}; {sum(sizes.values()) / 2**20:.0f} MiB; max context {config.max_context}; {seconds:.0f} s; peak memory {peak / 2**30:.1f} GiB")
+    print(f"{out}: {roles}; --device {config.device}; {config.quant}{f' (blocks of {config.block_size})' if config.quant in ('int4', 'int8') else ''}; {sum(sizes.values()) / 2**20:.0f} MiB; max context {config.max_context}; {seconds:.0f} s; peak memory {peak / 2**30:.1f} GiB")
     return 0
 
 

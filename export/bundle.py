@@ -48,6 +48,7 @@ class ExportConfig:
     draft_vocab: int | None = None  # the draft model's LM head keeps this many rows (export.vocab_trim); None: all
     draft_vocab_from: tuple[str, ...] = DEFAULT_SOURCES  # the text its token frequencies are counted on
     trace_layers: int | None = None  # layers traced at once (then stitched); None: as many as TRACE_BYTES of fp32 weights
+    block_size: int = mf.DEFAULT_QUANT_BLOCK  # weights per int4/int8 scale (mf.QUANT_BLOCKS)
 
     def __post_init__(self):
         if self.trace_layers is not None and (isinstance(self.trace_layers, bool) or not isinstance(self.trace_layers, int) or self.trace_layers <= 0):
@@ -57,6 +58,14 @@ class ExportConfig:
                 raise ExportError(f"--draft-vocab {self.draft_vocab!r}: give a positive number of tokens (suggested {SUGGESTED_DRAFT_VOCAB})")
             if all(d.startswith(LAYER_SKIP_PREFIX) for d in self.drafts):
                 raise ExportError("--draft-vocab trims a draft model's LM head: add --draft MODEL (a layer-skip draft runs the target's head, which scores every token)")
+        if isinstance(self.block_size, bool) or self.block_size not in mf.QUANT_BLOCKS:
+            raise ExportError(f"--block-size {self.block_size!r}: choose one of {', '.join(map(str, mf.QUANT_BLOCKS))} (weights per int4/int8 scale)")
+        if self.block_size != mf.DEFAULT_QUANT_BLOCK:
+            if self.quant in ("fp16", "fp32"):
+                raise ExportError(f"--block-size {self.block_size} sets int4/int8 scales; --quant {self.quant} has none")
+            if "coreml" in self.formats:
+                raise ExportError(f"--block-size {self.block_size} sets the ONNX graphs' blocks; Core ML packages quantize int4 per block of "
+                                  f"{mf.DEFAULT_QUANT_BLOCK}: drop --format coreml or --block-size")
         if self.device not in PROFILES:
             raise ExportError(f"unknown --device {self.device!r}; choose one of {', '.join(PROFILES)}")
         if self.attention is None:
@@ -104,7 +113,8 @@ def choose_for_budget(config: ExportConfig, budget: int) -> ExportChoice:
     if "onnx" not in config.formats:
         raise ExportError("--memory-budget plans ONNX Runtime's memory: add onnx to --format")
     facts = {spec: model_facts(spec) for spec in (config.model, *config.drafts) if not spec.startswith(LAYER_SKIP_PREFIX)}
-    return choose_export(facts[config.model], config.quant, config.max_context, config.drafts, facts, budget, str(config.out), config.attention, config.device, config.draft_vocab)
+    return choose_export(facts[config.model], config.quant, config.max_context, config.drafts, facts, budget, str(config.out), config.attention, config.device,
+                         config.draft_vocab, config.block_size)
 
 
 def peak_rss_bytes() -> int:
@@ -257,7 +267,7 @@ def _quantize_stage(key: str, info: mf.StageInfo, traced: list[Path] | None, con
     graph, weights = finish_stage(traced, list(info.inputs), list(info.outputs))
     float16 = config.profile.activations == "float16"
     progress(f"{key}: quantizing to {config.quant}{', float16 activations' if float16 else ''}")
-    quantize_stage(graph, weights, tmp / info.file, config.quant, config.profile.activations, config.profile.quantized_embedding)
+    quantize_stage(graph, weights, tmp / info.file, config.quant, config.profile.activations, config.profile.quantized_embedding, config.block_size)
     del graph, weights
     shutil.rmtree(traced[0].parent.parent)  # the parts' files, as large as the fp32 model
     data = info.file + ".data"
@@ -455,17 +465,18 @@ def _export_into(config: ExportConfig, tmp: Path, layer_skips, model_drafts, pro
         # The target runs trunk → rest → head; the layer-skip draft runs trunk → head, so every
         # weight is stored once and the draft writes the trunk's KV rows into the target's cache.
         plan = [("target.trunk", range(0, split), True, False), ("target.rest", range(split, n_layers), False, False), ("target.head", range(0, 0), False, True)]
-        models["target"] = mf.ModelInfo(target.source.description, target_arch, config.quant, tuple(k for k, *_ in plan))
+        models["target"] = mf.ModelInfo(target.source.description, target_arch, config.quant, tuple(k for k, *_ in plan), block_size=config.block_size)
         models["layer_skip"] = mf.ModelInfo(
             f"layer skip: first {split} of {n_layers} layers of the target",
             dataclasses.replace(target_arch, n_layers=split, layer_windows=target_arch.layer_windows[:split]),
             config.quant,
             ("target.trunk", "target.head"),
             shares_kv_with="target",
+            block_size=config.block_size,
         )
     else:
         plan = [("target", range(n_layers), True, True)]
-        models["target"] = mf.ModelInfo(target.source.description, target_arch, config.quant, ("target",))
+        models["target"] = mf.ModelInfo(target.source.description, target_arch, config.quant, ("target",), block_size=config.block_size)
     with tempfile.TemporaryDirectory(dir=tmp) as scratch:
         traced = {key: _trace_stage(target, key, layers, embed, head, config, tmp, Path(scratch), vocab_rows, progress, packages) for key, layers, embed, head in plan}
         del target  # the torch weights go before quantizing (the caller's cache may still hold them)
@@ -491,7 +502,7 @@ def _export_into(config: ExportConfig, tmp: Path, layer_skips, model_drafts, pro
             if head_tokens is not None:
                 trimmed = mf.TrimmedHead("draft" + mf.HEAD_TOKENS_SUFFIX, len(head_tokens.rows), head_tokens.description)
                 np.save(tmp / trimmed.file, head_tokens.rows)
-            models["draft"] = mf.ModelInfo(source, draft_arch, config.quant, ("draft",), trimmed_head=trimmed)
+            models["draft"] = mf.ModelInfo(source, draft_arch, config.quant, ("draft",), trimmed_head=trimmed, block_size=config.block_size)
 
     progress("hashing files")
     files = {p.name: mf.sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}

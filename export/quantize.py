@@ -1,8 +1,10 @@
 """Weight quantization of a stage graph with ONNX Runtime's own quantizers.
 
-int4: MatMulNBits (4 bits, block 32, symmetric, accuracy level 4 = int8 activations on CPU)
-      and GatherBlockQuantized for the embedding table.
-int8: MatMulNBits with 8 bits (block 32, accuracy level 4) and a 4-bit block-quantized
+int4: MatMulNBits (4 bits, symmetric, one scale per block of 32 weights by default,
+      accuracy level 4 = int8 activations on CPU) and GatherBlockQuantized for the embedding table.
+      A larger block (export --block-size 64/128) stores fewer scales and the kernel runs faster,
+      at some precision (BENCHMARKS.md).
+int8: MatMulNBits with 8 bits (the same blocks, accuracy level 4) and a 4-bit block-quantized
       embedding table (ONNX Runtime's Gather quantizer supports only 4 bits; a float32 table
       would be the largest tensor of a small model). Not quantize_dynamic: its per-tensor
       activation scale is ruined by the outlier channels these models have (SmolLM2 logits
@@ -26,8 +28,8 @@ from pathlib import Path
 import onnx
 
 from edge_spec import names
+from edge_spec.manifest import DEFAULT_QUANT_BLOCK
 
-BLOCK_SIZE = 32
 ACCURACY_LEVEL = 4
 
 
@@ -66,11 +68,11 @@ class DataWriter:
         self.file.close()
 
 
-def _node_quantizer(bits: int):
+def _node_quantizer(bits: int, block_size: int):
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, DefaultWeightOnlyQuantizer
 
     return DefaultWeightOnlyQuantizer(DefaultWeightOnlyQuantConfig(
-        block_size=BLOCK_SIZE,
+        block_size=block_size,
         is_symmetric=True,
         accuracy_level=ACCURACY_LEVEL,
         op_types_to_quantize=("MatMul", "Gather"),
@@ -79,7 +81,8 @@ def _node_quantizer(bits: int):
     ))
 
 
-def write_stage(model: onnx.ModelProto, weights, dst: Path, matmul_bits: int | None, gather_bits: int | None) -> None:
+def write_stage(model: onnx.ModelProto, weights, dst: Path, matmul_bits: int | None, gather_bits: int | None,
+                block_size: int = DEFAULT_QUANT_BLOCK) -> None:
     """Write the stage graph `model` (its weights read from `weights`, an
     export.onnx_graphs.StageWeights) to dst + dst.data, one initializer at a time: each MatMul by
     a constant 2-D weight becomes MatMulNBits at `matmul_bits`, each Gather from a constant
@@ -87,7 +90,7 @@ def write_stage(model: onnx.ModelProto, weights, dst: Path, matmul_bits: int | N
     per-node quantizer (what MatMulNBitsQuantizer runs over a whole graph in memory)."""
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
-    quantizers = {op: _node_quantizer(bits) for op, bits in (("MatMul", matmul_bits), ("Gather", gather_bits)) if bits}
+    quantizers = {op: _node_quantizer(bits, block_size) for op, bits in (("MatMul", matmul_bits), ("Gather", gather_bits)) if bits}
     writer = DataWriter(dst)
     made: list[onnx.TensorProto] = []
     nodes: list[onnx.NodeProto] = []
@@ -138,12 +141,13 @@ def to_float16(model: onnx.ModelProto) -> onnx.ModelProto:
     return convert_float_to_float16(model, keep_io_types=keep, disable_shape_infer=True)
 
 
-def quantize_stage(model: onnx.ModelProto, weights, dst: Path, quant: str, activations: str = "float32", quantized_embedding: bool = True) -> None:
+def quantize_stage(model: onnx.ModelProto, weights, dst: Path, quant: str, activations: str = "float32", quantized_embedding: bool = True,
+                   block_size: int = DEFAULT_QUANT_BLOCK) -> None:
     """Write the merged stage graph (export.onnx_graphs.finish_stage) into dst (+ dst.data) at
     `quant`. int4/int8 and fp32 stream weight by weight. fp16 weights and float16 activations
     convert a whole graph in memory: the fp32 one for fp16 weights, the already quantized (small)
     one for int4/int8 with float16 activations. quantized_embedding False: int4/int8 quantize the
-    MatMuls only (a provider without GatherBlockQuantized)."""
+    MatMuls only (a provider without GatherBlockQuantized). block_size: weights per int4/int8 scale."""
     logging.getLogger("onnxruntime.quantization").setLevel(logging.ERROR)
     if quant not in ("int4", "int8", "fp16", "fp32"):
         raise ValueError(f"unknown quantization {quant!r} (int4, int8, fp16, fp32)")
@@ -153,10 +157,10 @@ def quantize_stage(model: onnx.ModelProto, weights, dst: Path, quant: str, activ
     # The embedding table is 4-bit at int8 too: ONNX Runtime's Gather quantizer has only 4 bits.
     gather_bits = 4 if bits and quantized_embedding else None
     if activations != "float16" and quant != "fp16":
-        write_stage(model, weights, dst, bits, gather_bits)
+        write_stage(model, weights, dst, bits, gather_bits, block_size)
         return
     scratch = dst.with_name(dst.stem + ".unconverted.onnx")
-    write_stage(model, weights, scratch, bits, gather_bits)
+    write_stage(model, weights, scratch, bits, gather_bits, block_size)
     converted = onnx.load(str(scratch), load_external_data=True)
     scratch.unlink()
     scratch.with_name(scratch.name + ".data").unlink()

@@ -68,6 +68,18 @@ def test_summary_compares_with_the_fastest_llama_configuration_of_each_prompt():
     assert "| best llama.cpp per prompt | 40.0 | – | 0.95 | – |" in table
 
 
+def test_a_second_bundle_is_compared_with_the_same_best_llama_configuration():
+    """--bundle2: edge2-auto's per-prompt ratio to each prompt's fastest llama.cpp run, beside edge-auto's."""
+    runs, configs = _runs("code", {"p1": {"edge-auto": 30.0, "edge2-auto": 45.0, "llama-plain": 22.0, "llama-ngram": 25.0},
+                                   "p2": {"edge-auto": 20.0, "edge2-auto": 20.0, "llama-plain": 15.0, "llama-ngram": 40.0},
+                                   "p3": {"edge-auto": 38.0, "edge2-auto": 60.0, "llama-plain": 40.0, "llama-ngram": 19.0}})
+    best = summarize(runs, configs)["code"]["llama-best"]
+    assert best["edge_auto_over_this"] == pytest.approx(38 / 40)
+    assert best["edge2_auto_over_this"] == pytest.approx(1.5)  # median of 1.8, 0.5, 1.5
+    table = report({"summary": summarize(runs, configs), "runs": runs, "configs": configs, "max_new_tokens": 128})
+    assert "| best llama.cpp per prompt, edge2-auto ÷ it | 40.0 | – | 1.50 | – |" in table
+
+
 def test_llama_samples_as_edge_spec_does():
     """Greedy stays greedy; at a temperature only the temperature and then top-p samplers run
     (llama.cpp's default chain would apply top-k 40 and min-p, and top-p before temperature)."""

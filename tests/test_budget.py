@@ -78,10 +78,10 @@ def test_block_sizes_follow_the_runtime():
 
 
 def test_quantization_facts_follow_the_exporter():
-    from export.bundle import LAYER_SKIP_PREFIX
-    from export.quantize import BLOCK_SIZE
+    from export.bundle import LAYER_SKIP_PREFIX, ExportConfig
+    from export.quantize import quantize_stage
 
-    assert budget.QUANT_BLOCK == BLOCK_SIZE
+    assert budget.QUANT_BLOCK == ExportConfig("m", Path("o")).block_size == inspect.signature(quantize_stage).parameters["block_size"].default
     assert budget.LAYER_SKIP_PREFIX == LAYER_SKIP_PREFIX
 
 
@@ -289,6 +289,36 @@ def test_predicted_weights_match_written_files(quant_bundles, tiny_models):
             data += sum(len(t.raw_data) for t in graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL)
         predicted = f.weights(quant, manifest.target.arch.vocab_size).stored
         assert abs(predicted - data) <= 0.02 * data, (quant, predicted, data)
+
+
+def test_a_larger_block_is_written_recorded_and_planned(tiny_models, tmp_path):
+    """export --block-size 64: every MatMulNBits and GatherBlockQuantized node quantizes blocks
+    of 64, the manifest records it, and the planner predicts the files from it (the default
+    block's prediction would miss them)."""
+    import onnx
+
+    import tiny
+    from export.bundle import model_facts
+
+    bundle = tmp_path / "b64"
+    tiny.export(tiny_models.llama_quant, bundle, quant="int4", block_size=64)
+    manifest = load_manifest(bundle)
+    assert manifest.target.block_size == 64
+    blocks = []
+    data = 0
+    for stage in manifest.stages.values():
+        data += sum((bundle / f).stat().st_size for f in stage.data_files)
+        graph = onnx.load(str(bundle / stage.file), load_external_data=False).graph
+        data += sum(len(t.raw_data) for t in graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL)
+        blocks += [onnx.helper.get_attribute_value(a) for n in graph.node if n.op_type in ("MatMulNBits", "GatherBlockQuantized") for a in n.attribute if a.name == "block_size"]
+    assert blocks and set(blocks) == {64}
+    f = model_facts(str(tiny_models.llama_quant))
+    rows = manifest.target.arch.vocab_size
+    assert abs(f.weights("int4", rows, 64).stored - data) <= 0.02 * data
+    assert abs(f.weights("int4", rows).stored - data) > 0.05 * data
+    # The written bundle's plan splits its files by the recorded block: its embedding is the 4-bit table at blocks of 64.
+    weights = budget._stage_weights(manifest, bundle, "target", "int4", manifest.target.arch, None, manifest.target.block_size)
+    assert weights.block == 64 and weights.embed == round(rows * f.hidden_size * (0.5 + 4 / 64))
 
 
 def _attention() -> str:

@@ -230,11 +230,28 @@ def _set_arch(fact, value):
     (_set_arch("vocab_size", "400"), "vocab_size must be an integer"),
     (_set_arch("max_context", 64.5), "max_context must be an integer"),
     (lambda m: m["tokenizer"].update(chat_template="{% for m in messages %}{{ m['content'] }"), "chat template does not compile"),
+    (lambda m: m["models"]["target"].update(block_size=48), "block_size 48 is not one of [16, 32, 64, 128, 256]"),
 ])
 def test_manifest_facts_that_contradict_the_graphs(llama_bundle, tmp_path, edit, fragment):
     bundle = _edited(llama_bundle, tmp_path, edit)
     line = _error_line(_run("runtime", "generate", bundle, "--prompt", "x", "--provider", "cpu", "--max-new-tokens", "2"))
     assert fragment in line, line
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("--quant", "fp32", "--block-size", "128"), "--block-size 128 sets int4/int8 scales; --quant fp32 has none"),
+    (("--block-size", "64", "--format", "onnx,coreml"), "Core ML packages quantize int4 per block of 32"),
+])
+def test_export_block_size_it_cannot_apply(tiny_models, tmp_path, args, fragment):
+    proc = _run("export", tiny_models.llama, "--out", tmp_path / "b", "--draft", "none", *args, timeout=60)
+    assert fragment in _error_line(proc)
+    assert not (tmp_path / "b").exists()
+
+
+def test_export_block_size_not_offered(tiny_models, tmp_path):
+    proc = _run("export", tiny_models.llama, "--out", tmp_path / "b", "--block-size", "48", timeout=60)
+    assert proc.returncode == 2 and "--block-size: invalid choice: 48 (choose from 16, 32, 64, 128, 256)" in proc.stderr
+    assert not (tmp_path / "b").exists()
 
 
 def test_export_out_under_a_file(tmp_path, tiny_models):

@@ -368,8 +368,8 @@ def _traced_stage(folder, tmp_path, hidden=64):
     return traced, names.stage_inputs(True, True, range(n), "fused"), names.stage_outputs(True, range(n), "fused")
 
 
-@pytest.mark.parametrize("quant", ["int4", "int8"])
-def test_streamed_quantization_equals_the_whole_graph_quantizer(quant, tiny_models, tmp_path):
+@pytest.mark.parametrize("quant,block", [("int4", 32), ("int8", 32), ("int4", 64)])
+def test_streamed_quantization_equals_the_whole_graph_quantizer(quant, block, tiny_models, tmp_path):
     """export/quantize.write_stage quantizes one weight at a time through ONNX Runtime's node
     quantizer; the result must be what MatMulNBitsQuantizer gives over the whole fp32 graph
     held in memory (the exporter's earlier path): same nodes, same initializer bytes."""
@@ -378,17 +378,17 @@ def test_streamed_quantization_equals_the_whole_graph_quantizer(quant, tiny_mode
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     from export.onnx_graphs import finish_stage
-    from export.quantize import ACCURACY_LEVEL, BLOCK_SIZE, quantize_stage, write_stage
+    from export.quantize import ACCURACY_LEVEL, quantize_stage, write_stage
 
     traced, inputs, outputs = _traced_stage(tiny_models.llama, tmp_path)
     graph, weights = finish_stage([traced], inputs, outputs)
     write_stage(graph, weights, tmp_path / "fp32.onnx", None, None)
     graph, weights = finish_stage([traced], inputs, outputs)
-    quantize_stage(graph, weights, tmp_path / "q.onnx", quant)
+    quantize_stage(graph, weights, tmp_path / "q.onnx", quant, block_size=block)
 
     reference = onnx.load(str(tmp_path / "fp32.onnx"))
     for bits, ops in ((8, ("MatMul",)), (4, ("Gather",))) if quant == "int8" else ((4, ("MatMul", "Gather")),):
-        q = MatMulNBitsQuantizer(reference, bits=bits, block_size=BLOCK_SIZE, is_symmetric=True, accuracy_level=ACCURACY_LEVEL,
+        q = MatMulNBitsQuantizer(reference, bits=bits, block_size=block, is_symmetric=True, accuracy_level=ACCURACY_LEVEL,
                                  op_types_to_quantize=ops, quant_axes=(("MatMul", 0), ("Gather", 1)))
         q.process()
         reference = q.model.model

@@ -265,11 +265,13 @@ def hf_logits(model, ids: list[int]):
     return out.logits[0].float().numpy()
 
 
-def export(model_folder: Path, out: Path, quant: str = "fp32", drafts: tuple[str, ...] = (), max_context: int = MAX_CONTEXT, attention: str | None = None, device: str = "cpu"):
+def export(model_folder: Path, out: Path, quant: str = "fp32", drafts: tuple[str, ...] = (), max_context: int = MAX_CONTEXT, attention: str | None = None, device: str = "cpu",
+           block_size: int = 32):
     from export.bundle import ExportConfig, export_bundle
 
     return export_bundle(
-        ExportConfig(model=str(model_folder), out=Path(out), quant=quant, max_context=max_context, drafts=tuple(drafts), attention=attention, device=device),
+        ExportConfig(model=str(model_folder), out=Path(out), quant=quant, max_context=max_context, drafts=tuple(drafts), attention=attention, device=device,
+                     block_size=block_size),
         log=lambda message: None,
     )
 

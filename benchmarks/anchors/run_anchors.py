@@ -1,7 +1,7 @@
 """edge-spec beside llama.cpp and onnxruntime-genai on the same prompts, interleaved per prompt.
 
     python benchmarks/anchors/run_anchors.py BUNDLE --prompts humaneval:20,benchmarks/prompts/edit.jsonl \
-        --max-new-tokens 128 --out DIR [--anchors DIR] [--configs NAME,...]
+        --max-new-tokens 128 --out DIR [--anchors DIR] [--configs NAME,...] [--bundle2 BUNDLE]
 
 Every prompt is rendered once with the bundle's chat template and the same text goes to every
 runtime (llama.cpp and onnxruntime-genai parse the special tokens in it). Per prompt, every
@@ -12,7 +12,8 @@ edge-spec's GenerationResult. 2 threads (the machine's cores). Greedy by default
 `--temperature T [--top-p P] [--seeds N]` every runtime samples from softmax(top-p(logits / T))
 (llama.cpp with only its temperature and top-p samplers, in that order, as edge-spec and Hugging
 Face apply them), once per seed, and each ratio pairs runs of the same prompt and seed.
-The anchors are built by benchmarks/anchors/setup.sh.
+`--bundle2` runs a second export of the same model (edge2-plain, edge2-auto) beside the first, so an
+export option is compared with the anchors in one run. The anchors are built by benchmarks/anchors/setup.sh.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from edge_spec.sampling import SamplingConfig  # noqa: E402
 from runtime.engine import Engine, EngineConfig, GenerateConfig  # noqa: E402
 from edge_spec.catalog import models_dir  # noqa: E402
 
-CONFIGS = ("edge-plain", "edge-auto", "llama-plain", "llama-ngram", "llama-ngram-map-k", "llama-draft", "genai-plain", "genai-ngram", "genai-draft")
+CONFIGS = ("edge-plain", "edge-auto", "edge2-plain", "edge2-auto", "llama-plain", "llama-ngram", "llama-ngram-map-k", "llama-draft", "genai-plain", "genai-ngram", "genai-draft")
 BEST_LLAMA = "llama-best"  # per prompt, the fastest llama.cpp configuration run on it
 
 
@@ -118,6 +119,8 @@ class GenaiWorker:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("bundle")
+    parser.add_argument("--bundle2", help="a second bundle of the same model (another export option), run as edge2-plain and edge2-auto "
+                        "beside the first on every prompt")
     parser.add_argument("--prompts", default="humaneval:20,benchmarks/prompts/edit.jsonl")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--out", required=True)
@@ -144,14 +147,20 @@ def main(argv=None) -> int:
     target_gguf, draft_gguf = models / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", models / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
     prompts = load_prompts(args.prompts)
 
+    if any(c.startswith("edge2") for c in configs) != bool(args.bundle2):
+        parser.error("the edge2-plain and edge2-auto configs run --bundle2: give both or neither")
     engine = Engine(args.bundle, EngineConfig(drafter="auto", threads=args.threads))
+    engines = {"edge": engine}
+    if args.bundle2:
+        engines["edge2"] = Engine(args.bundle2, EngineConfig(drafter="auto", threads=args.threads))
     genai = GenaiWorker(anchors) if any(c.startswith("genai") for c in configs) else None
     genai_models = {"genai-plain": anchors / "genai/qwen-1.5b", "genai-ngram": anchors / "genai/qwen-1.5b", "genai-draft": anchors / "genai/spec-1.5b-0.5b"}
     if genai:  # first-run costs (weight prepacking, allocations) stay out of the timed runs
         text = engine.tokenizer.render_chat(list(prompts[0].messages)) if prompts[0].messages else prompts[0].prompt
         for config in (c for c in configs if c.startswith("genai")):
             genai.run(model=str(genai_models[config]), prompt=text, mode=config.split("-", 1)[1], max_new_tokens=8, ngram_size=3, max_draft_tokens=4)
-    engine.generate(engine.tokenizer.encode("warm up"), GenerateConfig(max_new_tokens=8))
+    for warmed in engines.values():
+        warmed.generate(warmed.tokenizer.encode("warm up"), GenerateConfig(max_new_tokens=8))
     runs = []
     with tempfile.TemporaryDirectory() as scratch:
         for number, (prompt, seed) in enumerate(((p, s) for p in prompts for s in range(args.seeds)), start=1):
@@ -166,7 +175,8 @@ def main(argv=None) -> int:
             for config in configs:
                 began = time.perf_counter()
                 if config.startswith("edge"):
-                    result = engine.generate(ids, generate, speculative=config == "edge-auto")
+                    side, mode = config.split("-")
+                    result = engines[side].generate(ids, generate, speculative=mode == "auto")
                     row = {"tokens_per_s": result.timings["decode_tokens_per_s"], "new_tokens": len(result.token_ids),
                            "prefill_ms": result.timings["prefill_ms"], "acceptance_rate": result.stats["acceptance_rate"],
                            "tokens_per_pass": result.stats["tokens_per_pass"]}
@@ -189,12 +199,13 @@ def main(argv=None) -> int:
                            wall_s=time.perf_counter() - began)
                 runs.append(row)
                 print(f"[{number}/{len(prompts) * args.seeds}] {prompt.id} seed {seed} {config}: {row['tokens_per_s']:.1f} tok/s", flush=True)
-            if "edge-plain" in outputs and "edge-auto" in outputs and args.temperature == 0:
-                runs[-len(configs) + configs.index("edge-auto")]["identical_to_plain"] = outputs["edge-auto"] == outputs["edge-plain"]
+            for side in engines:
+                if f"{side}-plain" in outputs and f"{side}-auto" in outputs and args.temperature == 0:
+                    runs[-len(configs) + configs.index(f"{side}-auto")]["identical_to_plain"] = outputs[f"{side}-auto"] == outputs[f"{side}-plain"]
     if genai:
         genai.close()
     summary = summarize(runs, configs)
-    results = {"bundle": args.bundle, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "threads": args.threads,
+    results = {"bundle": args.bundle, "bundle2": args.bundle2, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "threads": args.threads,
                "sampling": {"temperature": args.temperature, "top_p": args.top_p, "seeds": args.seeds},
                "started": time.strftime("%Y-%m-%d %H:%M:%S"), "configs": configs, "runs": runs, "summary": summary}
     (out / "anchors.json").write_text(json.dumps(results, indent=1))
@@ -230,6 +241,8 @@ def report(results: dict) -> list[str]:
         if BEST_LLAMA in entry:
             best = entry[BEST_LLAMA]
             lines.append(f"| best llama.cpp per prompt | {best['tokens_per_s']:.1f} | – | {best['edge_auto_over_this']:.2f} | – |")
+            if best.get("edge2_auto_over_this"):
+                lines.append(f"| best llama.cpp per prompt, edge2-auto ÷ it | {best['tokens_per_s']:.1f} | – | {best['edge2_auto_over_this']:.2f} | – |")
         lines.append("")
     return lines
 
@@ -253,6 +266,9 @@ def summarize(runs: list[dict], configs: list[str]) -> dict:
         if best:
             entry[BEST_LLAMA] = {"tokens_per_s": statistics.median(best.values()), "runs": len(best),
                                  "edge_auto_over_this": statistics.median(prompts[pid]["edge-auto"] / speed for pid, speed in best.items())}
+            second = [prompts[pid]["edge2-auto"] / speed for pid, speed in best.items() if "edge2-auto" in prompts[pid]]
+            if second:
+                entry[BEST_LLAMA]["edge2_auto_over_this"] = statistics.median(second)
         summary[category] = entry
     return summary
 

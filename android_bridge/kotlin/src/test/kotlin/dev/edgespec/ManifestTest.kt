@@ -50,6 +50,8 @@ class ManifestTest {
     @Test fun `trimmed draft head refused`() = refused(mutated({ m ->
         m.getJSONObject("models").getJSONObject("draft").put("trimmed_head", JSONObject(mapOf("file" to "draft.head_tokens.npy", "rows" to 64, "counted_from" to "")))
     }), "trimmed LM head (trimmed_head)", "export without --draft-vocab")
+    @Test fun `block size not offered`() = refused(mutated({ it.getJSONObject("models").getJSONObject("target").put("block_size", 48) }),
+        "block_size 48 is not one of [16, 32, 64, 128, 256]")
     @Test fun `unknown field`() = refused(mutated({ it.put("extra", 1) }), "unknown field(s) [extra]")
     @Test fun `gpu device profile refused`() = refused(mutated({ it.put("device", "cuda") }), "exported for --device cuda", "--device cpu")
     @Test fun `no target`() = refused(mutated({ m -> val models = m.getJSONObject("models"); models.put("x", models.remove("target")); m.remove("default_draft") }), "no 'target' model")

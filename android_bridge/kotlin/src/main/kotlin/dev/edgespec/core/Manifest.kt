@@ -12,6 +12,7 @@ class BundleException(message: String) : Exception(message)
 const val SCHEMA_VERSION = 3
 const val MANIFEST_FILE = "manifest.json"
 val QUANTS = listOf("int4", "int8", "fp16", "fp32")
+val QUANT_BLOCKS = listOf(16, 32, 64, 128, 256)
 val KV_DTYPES = listOf("float32", "float16")
 val ATTENTION_KINDS = listOf("fused", "portable")
 
@@ -105,10 +106,14 @@ object ManifestReader {
         val modelsObj = top.obj("models")
         val models = LinkedHashMap<String, ModelInfo>()
         for (role in modelsObj.keys()) {
-            val f = Fields(modelsObj.getJSONObject(role), "model '$role'", listOf("source", "arch", "quant", "stages", "shares_kv_with", "trimmed_head"))
+            val f = Fields(modelsObj.getJSONObject(role), "model '$role'", listOf("source", "arch", "quant", "stages", "shares_kv_with", "trimmed_head", "block_size"))
             // A trimmed draft head needs its logits put back at the kept token ids; this core does not do that yet.
             if (f.has("trimmed_head")) {
                 throw BundleException("model '$role' has a trimmed LM head (trimmed_head): the Android core does not run trimmed draft heads yet; export without --draft-vocab")
+            }
+            // Each MatMulNBits node carries its own block size: the manifest's is checked, not needed.
+            if (f.has("block_size") && f.int("block_size") !in QUANT_BLOCKS) {
+                throw BundleException("model '$role': block_size ${f.int("block_size")} is not one of $QUANT_BLOCKS")
             }
             val a = Fields(f.obj("arch"), "model '$role' arch",
                 listOf("model_type", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_size", "vocab_size", "max_context", "kv_dtype", "layer_windows"))
