@@ -34,7 +34,6 @@ TOKENIZER_BYTES_PER_TOKEN = 720  # the same, per vocabulary entry, for export (n
 
 PREFILL_CHUNK = 256  # ModelRunner.prefill's chunk (runtime/model.py): the longest block a pass takes
 DEFAULT_MAX_GAMMA = 8  # EngineConfig.max_gamma: verify passes take γ+1 tokens, γ ≤ max_gamma
-QUANT_BLOCK = DEFAULT_QUANT_BLOCK  # export --block-size's default: one float32 scale per block of weights
 _BITS = {"int4": 4, "int8": 8}
 _FLOAT_BYTES = {"fp16": 2, "fp32": 4}
 KV_ITEM_BYTES = {"float32": 4, "float16": 2}
@@ -111,19 +110,19 @@ def format_size(n: int) -> str:
 # -- weights -----------------------------------------------------------------------------
 
 
-def scale_bytes_per_weight(block: int = QUANT_BLOCK) -> float:
+def scale_bytes_per_weight(block: int = DEFAULT_QUANT_BLOCK) -> float:
     """One float32 scale per block of weights."""
     return 4 / block
 
 
-def matmul_bytes_per_weight(quant: str, block: int = QUANT_BLOCK) -> float:
+def matmul_bytes_per_weight(quant: str, block: int = DEFAULT_QUANT_BLOCK) -> float:
     """Stored bytes per weight of a quantized matrix: MatMulNBits data plus its block scales."""
     if quant in _BITS:
         return _BITS[quant] / 8 + scale_bytes_per_weight(block)
     return _FLOAT_BYTES[quant]
 
 
-def embed_bytes_per_weight(quant: str, block: int = QUANT_BLOCK) -> float:
+def embed_bytes_per_weight(quant: str, block: int = DEFAULT_QUANT_BLOCK) -> float:
     """The embedding table: 4-bit GatherBlockQuantized for int4 and int8 (ORT's Gather
     quantizer has only 4 bits), float otherwise."""
     return 0.5 + scale_bytes_per_weight(block) if quant in _BITS else _FLOAT_BYTES[quant]
@@ -137,7 +136,7 @@ class StoredWeights:
     layers: int  # decoder layers: MatMul weights, norms, biases (and each graph's own bytes)
     head: int = 0  # the LM head matrix (and the final norm)
     embed: int = 0  # the embedding table
-    block: int = QUANT_BLOCK  # weights per scale at int4/int8 (export --block-size)
+    block: int = DEFAULT_QUANT_BLOCK  # weights per scale at int4/int8 (export --block-size)
 
     @property
     def stored(self) -> int:
@@ -181,7 +180,7 @@ class StoredWeights:
 
 def predict_weights(
     quant: str, n_layers: int, hidden_size: int, n_heads: int, n_kv_heads: int, head_dim: int,
-    intermediate_size: int, embed_rows: int, head_rows: int, qkv_bias: bool = False, block: int = QUANT_BLOCK,
+    intermediate_size: int, embed_rows: int, head_rows: int, qkv_bias: bool = False, block: int = DEFAULT_QUANT_BLOCK,
 ) -> StoredWeights:
     """What export will write for a Llama-family model: per layer q,k,v,o and gate,up,down
     matrices (quantized), two norms and the optional q/k/v biases (float); the embedding
@@ -222,7 +221,7 @@ def workspace_bytes(arch: ArchInfo, intermediate_size: int, attention: str = "fu
     return round(_PATTERN_COPIES * per_pass)
 
 
-def intermediate_from_layers(arch: ArchInfo, layer_bytes: int, quant: str, block: int = QUANT_BLOCK) -> int:
+def intermediate_from_layers(arch: ArchInfo, layer_bytes: int, quant: str, block: int = DEFAULT_QUANT_BLOCK) -> int:
     """A role's MLP width, which the manifest does not record, from its stored layer bytes:
     each layer holds q,o [hidden, heads*D], k,v [hidden, KV heads*D] and 3 [hidden, I]."""
     per_layer = layer_bytes / max(arch.n_layers, 1) / matmul_bytes_per_weight(quant, block)
@@ -396,7 +395,7 @@ def drafter_roles(manifest: Manifest, drafter: str) -> tuple[str, ...]:
 
 
 def _stage_weights(manifest: Manifest, bundle_dir: Path, key: str, quant: str, arch: ArchInfo, head_rows: int | None = None,
-                   block: int = QUANT_BLOCK) -> StoredWeights:
+                   block: int = DEFAULT_QUANT_BLOCK) -> StoredWeights:
     stage = manifest.stages[key]
     if not stage.file:
         raise BundleError(
@@ -468,7 +467,7 @@ class ModelFacts:
     def arch(self, max_context: int, vocab_rows: int, kv_dtype: str = "float32") -> ArchInfo:
         return ArchInfo(self.model_type, self.n_layers, self.n_heads, self.n_kv_heads, self.head_dim, self.hidden_size, vocab_rows, max_context, kv_dtype)
 
-    def weights(self, quant: str, vocab_rows: int, block: int = QUANT_BLOCK) -> StoredWeights:
+    def weights(self, quant: str, vocab_rows: int, block: int = DEFAULT_QUANT_BLOCK) -> StoredWeights:
         return predict_weights(
             quant, self.n_layers, self.hidden_size, self.n_heads, self.n_kv_heads, self.head_dim,
             self.intermediate_size, self.vocab_size, vocab_rows, self.qkv_bias, block,
@@ -478,7 +477,7 @@ class ModelFacts:
 def plan_export(
     target: ModelFacts, quant: str, max_context: int, drafts: tuple[str, ...], draft_facts: dict[str, ModelFacts],
     budget: int | None = None, source: str = "", attention: str = "fused", device: str = "cpu", draft_vocab: int | None = None,
-    block: int = QUANT_BLOCK,
+    block: int = DEFAULT_QUANT_BLOCK,
 ) -> Plan:
     """The plan of the bundle export would write, run with the runtime's default drafter
     (auto: the draft model if there is one, else the layer-skip draft), before anything is
@@ -523,7 +522,7 @@ class ExportChoice:
 def choose_export(
     target: ModelFacts, quant: str, max_context: int, drafts: tuple[str, ...], draft_facts: dict[str, ModelFacts],
     budget: int, source: str = "", attention: str = "fused", device: str = "cpu", draft_vocab: int | None = None,
-    block: int = QUANT_BLOCK,
+    block: int = DEFAULT_QUANT_BLOCK,
 ) -> ExportChoice:
     """The first export that fits the budget, giving up the least-valued thing first: the
     longest context (halved, not below MIN_BUDGET_CONTEXT), then the draft model (a

@@ -81,7 +81,7 @@ def test_quantization_facts_follow_the_exporter():
     from export.bundle import LAYER_SKIP_PREFIX, ExportConfig
     from export.quantize import quantize_stage
 
-    assert budget.QUANT_BLOCK == ExportConfig("m", Path("o")).block_size == inspect.signature(quantize_stage).parameters["block_size"].default
+    assert budget.DEFAULT_QUANT_BLOCK == ExportConfig("m", Path("o")).block_size == inspect.signature(quantize_stage).parameters["block_size"].default
     assert budget.LAYER_SKIP_PREFIX == LAYER_SKIP_PREFIX
 
 
