@@ -184,12 +184,19 @@ def predict_weights(
 ) -> StoredWeights:
     """What export will write for a Llama-family model: per layer q,k,v,o and gate,up,down
     matrices (quantized), two norms and the optional q/k/v biases (float); the embedding
-    table; an LM head of its own (export stores one even when the checkpoint ties it)."""
-    matrix = hidden_size * (2 * n_heads * head_dim + 2 * n_kv_heads * head_dim) + 3 * hidden_size * intermediate_size
-    small = 2 * hidden_size + (n_heads * head_dim + 2 * n_kv_heads * head_dim if qkv_bias else 0)
+    table; an LM head of its own (export stores one even when the checkpoint ties it). A
+    quantized matrix (not the embedding table) stores whole blocks along its input dimension, the
+    last one padded."""
+
+    def k(n: int) -> int:
+        return -(-n // block) * block if quant in _BITS else n
+
+    attention = n_heads * head_dim
+    matrix = k(hidden_size) * (attention + 2 * n_kv_heads * head_dim + 2 * intermediate_size) + k(attention) * hidden_size + k(intermediate_size) * hidden_size
+    small = 2 * hidden_size + (attention + 2 * n_kv_heads * head_dim if qkv_bias else 0)
     float_bytes = 2 if quant == "fp16" else 4
     layers = n_layers * (matrix * matmul_bytes_per_weight(quant, block) + small * float_bytes)
-    head = head_rows * hidden_size * matmul_bytes_per_weight(quant, block) + hidden_size * float_bytes
+    head = head_rows * k(hidden_size) * matmul_bytes_per_weight(quant, block) + hidden_size * float_bytes
     embed = embed_rows * hidden_size * embed_bytes_per_weight(quant, block)
     return StoredWeights(quant, round(layers), round(head), round(embed), block)
 
@@ -477,13 +484,13 @@ class ModelFacts:
 def plan_export(
     target: ModelFacts, quant: str, max_context: int, drafts: tuple[str, ...], draft_facts: dict[str, ModelFacts],
     budget: int | None = None, source: str = "", attention: str = "fused", device: str = "cpu", draft_vocab: int | None = None,
-    block: int = DEFAULT_QUANT_BLOCK,
+    block: int = DEFAULT_QUANT_BLOCK, draft_block: int | None = None,
 ) -> Plan:
     """The plan of the bundle export would write, run with the runtime's default drafter
     (auto: the draft model if there is one, else the layer-skip draft), before anything is
     written. drafts: export's specs, model specs (keys of draft_facts) and/or "layer-skip:N".
     draft_vocab: the rows a trimmed draft head keeps (export --draft-vocab); block: weights per
-    int4/int8 scale (export --block-size)."""
+    int4/int8 scale (export --block-size); draft_block: the draft model's (None: block)."""
     profile = PROFILES[device]
     float16 = profile.activations == "float16"
     layer_skips = [d for d in drafts if d.startswith(LAYER_SKIP_PREFIX)]
@@ -495,7 +502,7 @@ def plan_export(
     if models:
         draft = models[0]
         roles.append(RolePlan(
-            "draft", draft.arch(max_context, vocab_rows, profile.kv_dtype), draft.weights(quant, min(draft_vocab or vocab_rows, vocab_rows), block), 1, None,
+            "draft", draft.arch(max_context, vocab_rows, profile.kv_dtype), draft.weights(quant, min(draft_vocab or vocab_rows, vocab_rows), block if draft_block is None else draft_block), 1, None,
             draft.intermediate_size, attention, float16,
         ))
     elif layer_skips:
@@ -522,7 +529,7 @@ class ExportChoice:
 def choose_export(
     target: ModelFacts, quant: str, max_context: int, drafts: tuple[str, ...], draft_facts: dict[str, ModelFacts],
     budget: int, source: str = "", attention: str = "fused", device: str = "cpu", draft_vocab: int | None = None,
-    block: int = DEFAULT_QUANT_BLOCK,
+    block: int = DEFAULT_QUANT_BLOCK, draft_block: int | None = None,
 ) -> ExportChoice:
     """The first export that fits the budget, giving up the least-valued thing first: the
     longest context (halved, not below MIN_BUDGET_CONTEXT), then the draft model (a
@@ -539,7 +546,7 @@ def choose_export(
     for q in quants:
         for option in draft_options:
             for context in contexts:
-                plan = plan_export(target, q, context, option, draft_facts, budget, source, attention, device, draft_vocab, block)
+                plan = plan_export(target, q, context, option, draft_facts, budget, source, attention, device, draft_vocab, block, draft_block)
                 if plan.fits:
                     changes = []
                     if context != max_context:

@@ -1,4 +1,4 @@
-"""python -m export MODEL --out DIR [--quant ...] [--block-size N] [--max-context N] [--draft D ...] [--memory-budget SIZE]"""
+"""python -m export MODEL --out DIR [--quant ...] [--block-size N] [--draft-block-size N] [--max-context N] [--draft D ...] [--memory-budget SIZE]"""
 
 from __future__ import annotations
 
@@ -41,6 +41,11 @@ def main(argv: list[str] | None = None) -> int:
         "--block-size", type=int, default=DEFAULT_QUANT_BLOCK, choices=QUANT_BLOCKS, metavar="N",
         help=f"int4/int8 weights per scale, one of {', '.join(map(str, QUANT_BLOCKS))}: larger blocks decode faster at some "
         f"precision (see README, Precision) (default {DEFAULT_QUANT_BLOCK})",
+    )
+    parser.add_argument(
+        "--draft-block-size", type=int, choices=QUANT_BLOCKS, metavar="N",
+        help="the draft model's own int4/int8 block: its precision sets only how often its tokens are accepted, never "
+        "the output (default: --block-size)",
     )
     parser.add_argument("--max-context", type=int, default=2048, help="KV buffer length in tokens (default 2048)")
     parser.add_argument(
@@ -105,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sources = tuple(x.strip() for x in args.draft_vocab_from.split(",") if x.strip())
         config = ExportConfig(args.model, out, args.quant, args.max_context, drafts, args.force, formats=formats, attention=args.attention, device=args.device,
-                              draft_vocab=args.draft_vocab, draft_vocab_from=sources, block_size=args.block_size)
+                              draft_vocab=args.draft_vocab, draft_vocab_from=sources, block_size=args.block_size,
+                              draft_block_size=args.draft_block_size)
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -136,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         roles = {role: {"layers": m.arch.n_layers, "stages": list(m.stages), "source": m.source, "logit_rows": m.logit_rows} for role, m in manifest.models.items()}
         summary = {
-            "bundle": str(out), "device": config.device, "quant": config.quant, "block_size": config.block_size, "attention": config.attention,
+            "bundle": str(out), "device": config.device, "quant": config.quant, "block_size": config.block_size, "draft_block_size": config.draft_block, "attention": config.attention,
             "max_context": config.max_context, "roles": roles, "bytes": sizes, "seconds": seconds,
             "peak_rss_bytes": peak,
         }
@@ -145,8 +151,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(summary))
         return 0
     roles = ", ".join(f"{role} ({m.arch.n_layers} layers{f', head of {m.logit_rows} tokens' if m.trimmed_head else ''})" for role, m in manifest.models.items())
-    print(f"{out}: {roles}; --device {config.device}; {config.quant}{f' (blocks of {config.block_size})' if config.quant in ('int4', 'int8') else ''}; {sum(sizes.values()) / 2**20:.0f} MiB; max context {config.max_context}; {seconds:.0f} s; peak memory {peak / 2**30:.1f} GiB")
+    print(f"{out}: {roles}; --device {config.device}; {config.quant}{_blocks(config) if config.quant in ('int4', 'int8') else ''}; {sum(sizes.values()) / 2**20:.0f} MiB; max context {config.max_context}; {seconds:.0f} s; peak memory {peak / 2**30:.1f} GiB")
     return 0
+
+
+def _blocks(config) -> str:
+    draft = f"; draft {config.draft_block}" if config.draft_block != config.block_size and any(not d.startswith("layer-skip:") for d in config.drafts) else ""
+    return f" (blocks of {config.block_size}{draft})"
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ class ExportConfig:
     draft_vocab_from: tuple[str, ...] = DEFAULT_SOURCES  # the text its token frequencies are counted on
     trace_layers: int | None = None  # layers traced at once (then stitched); None: as many as TRACE_BYTES of fp32 weights
     block_size: int = mf.DEFAULT_QUANT_BLOCK  # weights per int4/int8 scale (mf.QUANT_BLOCKS)
+    draft_block_size: int | None = None  # the draft model's own block; None: block_size
 
     def __post_init__(self):
         if self.trace_layers is not None and (isinstance(self.trace_layers, bool) or not isinstance(self.trace_layers, int) or self.trace_layers <= 0):
@@ -60,12 +61,20 @@ class ExportConfig:
                 raise ExportError("--draft-vocab trims a draft model's LM head: add --draft MODEL (a layer-skip draft runs the target's head, which scores every token)")
         if isinstance(self.block_size, bool) or self.block_size not in mf.QUANT_BLOCKS:
             raise ExportError(f"--block-size {self.block_size!r}: choose one of {', '.join(map(str, mf.QUANT_BLOCKS))} (weights per int4/int8 scale)")
-        if self.block_size != mf.DEFAULT_QUANT_BLOCK:
+        if self.draft_block_size is not None:
+            if isinstance(self.draft_block_size, bool) or self.draft_block_size not in mf.QUANT_BLOCKS:
+                raise ExportError(f"--draft-block-size {self.draft_block_size!r}: choose one of {', '.join(map(str, mf.QUANT_BLOCKS))} (weights per int4/int8 scale)")
+            if all(d.startswith(LAYER_SKIP_PREFIX) for d in self.drafts):
+                raise ExportError("--draft-block-size quantizes a draft model and this export has none: add --draft MODEL (a layer-skip "
+                                  "draft runs the target's own weights, set by --block-size)")
+        for flag, block in (("--block-size", self.block_size), ("--draft-block-size", self.draft_block)):
+            if block == mf.DEFAULT_QUANT_BLOCK:
+                continue
             if self.quant in ("fp16", "fp32"):
-                raise ExportError(f"--block-size {self.block_size} sets int4/int8 scales; --quant {self.quant} has none")
+                raise ExportError(f"{flag} {block} sets int4/int8 scales; --quant {self.quant} has none")
             if "coreml" in self.formats:
-                raise ExportError(f"--block-size {self.block_size} sets the ONNX graphs' blocks; Core ML packages quantize int4 per block of "
-                                  f"{mf.DEFAULT_QUANT_BLOCK}: drop --format coreml or --block-size")
+                raise ExportError(f"{flag} {block} sets the ONNX graphs' blocks; Core ML packages quantize int4 per block of "
+                                  f"{mf.DEFAULT_QUANT_BLOCK}: drop --format coreml or {flag}")
         if self.device not in PROFILES:
             raise ExportError(f"unknown --device {self.device!r}; choose one of {', '.join(PROFILES)}")
         if self.attention is None:
@@ -80,6 +89,11 @@ class ExportConfig:
     @property
     def profile(self) -> DeviceProfile:
         return PROFILES[self.device]
+
+    @property
+    def draft_block(self) -> int:
+        """The draft model's weights per scale: its precision sets only α, never an output token."""
+        return self.block_size if self.draft_block_size is None else self.draft_block_size
 
 
 def default_drafts(model: str) -> tuple[str, ...]:
@@ -114,7 +128,7 @@ def choose_for_budget(config: ExportConfig, budget: int) -> ExportChoice:
         raise ExportError("--memory-budget plans ONNX Runtime's memory: add onnx to --format")
     facts = {spec: model_facts(spec) for spec in (config.model, *config.drafts) if not spec.startswith(LAYER_SKIP_PREFIX)}
     return choose_export(facts[config.model], config.quant, config.max_context, config.drafts, facts, budget, str(config.out), config.attention, config.device,
-                         config.draft_vocab, config.block_size)
+                         config.draft_vocab, config.block_size, config.draft_block)
 
 
 def peak_rss_bytes() -> int:
@@ -267,7 +281,8 @@ def _quantize_stage(key: str, info: mf.StageInfo, traced: list[Path] | None, con
     graph, weights = finish_stage(traced, list(info.inputs), list(info.outputs))
     float16 = config.profile.activations == "float16"
     progress(f"{key}: quantizing to {config.quant}{', float16 activations' if float16 else ''}")
-    quantize_stage(graph, weights, tmp / info.file, config.quant, config.profile.activations, config.profile.quantized_embedding, config.block_size)
+    block = config.draft_block if key == "draft" else config.block_size
+    quantize_stage(graph, weights, tmp / info.file, config.quant, config.profile.activations, config.profile.quantized_embedding, block)
     del graph, weights
     shutil.rmtree(traced[0].parent.parent)  # the parts' files, as large as the fp32 model
     data = info.file + ".data"
@@ -502,7 +517,7 @@ def _export_into(config: ExportConfig, tmp: Path, layer_skips, model_drafts, pro
             if head_tokens is not None:
                 trimmed = mf.TrimmedHead("draft" + mf.HEAD_TOKENS_SUFFIX, len(head_tokens.rows), head_tokens.description)
                 np.save(tmp / trimmed.file, head_tokens.rows)
-            models["draft"] = mf.ModelInfo(source, draft_arch, config.quant, ("draft",), trimmed_head=trimmed, block_size=config.block_size)
+            models["draft"] = mf.ModelInfo(source, draft_arch, config.quant, ("draft",), trimmed_head=trimmed, block_size=config.draft_block)
 
     progress("hashing files")
     files = {p.name: mf.sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}

@@ -38,6 +38,7 @@ from edge_spec.sampling import SamplingConfig, process_logits
 MAX_CELLS = 64
 REST_MASS = 1e-3
 POWER = 0.8
+ENDED = -1  # pads a sample that stopped (drew a stop token) before K tokens: nothing is drawn after a stop
 
 
 @dataclass(frozen=True)
@@ -117,9 +118,12 @@ def g_statistic(counts: np.ndarray, probs: np.ndarray) -> np.ndarray:
 
 
 def _prefixes(samples: np.ndarray, k: int) -> dict[tuple, list[int]]:
-    """Position k's groups: prefix (k tokens) -> the next tokens of the samples sharing it."""
+    """Position k's groups: prefix (k tokens) -> the next tokens of the samples sharing it; a
+    sample that stopped before position k draws nothing there."""
     groups: dict[tuple, list[int]] = {}
     for row in samples:
+        if row[k] == ENDED:
+            continue
         groups.setdefault(tuple(int(t) for t in row[:k]), []).append(int(row[k]))
     return groups
 
@@ -205,7 +209,7 @@ class ExactLaw:
     def rows(self, samples: np.ndarray) -> dict[tuple, Row]:
         """A Row for every prefix (length 0..K-1) the samples [N, K] reached."""
         cache, out = self.target.cache, {}
-        drawn = [set(samples[:, k].tolist()) for k in range(samples.shape[1])]
+        drawn = [set(samples[:, k].tolist()) - {ENDED} for k in range(samples.shape[1])]
         for prefix in observed_prefixes(samples):  # sorted: neighbours share rows, each pass feeds one token
             sequence = self.prompt + list(prefix)
             cache.rollback_to_prefix(np.asarray(sequence[:-1], dtype=np.int64))
@@ -228,7 +232,8 @@ def goodness_of_fit(samples: np.ndarray, law: dict[tuple, Row], config: AuditCon
     for k in range(n_positions):
         groups = _prefixes(samples, k)
         observed, simulated, impossible = 0.0, np.zeros(config.n_simulations), 0
-        empirical = Counter(int(t) for t in samples[:, k])
+        empirical = Counter(int(t) for t in samples[:, k] if t != ENDED)
+        live = max(sum(empirical.values()), 1)
         marginal = dict.fromkeys(empirical, 0.0)  # the exact marginal at the drawn tokens, through the samples' prefixes
         for prefix, tokens in groups.items():
             row = law[prefix]
@@ -237,10 +242,10 @@ def goodness_of_fit(samples: np.ndarray, law: dict[tuple, Row], config: AuditCon
             draws = rng.multinomial(len(tokens), row.node.probs, size=config.n_simulations)  # [B, C+1]
             simulated += g_statistic(draws, row.node.probs)
             for t in marginal:
-                marginal[t] += row.at[t] * len(tokens) / n_samples
+                marginal[t] += row.at[t] * len(tokens) / live
         p_value = 0.0 if impossible else (1 + int(np.sum(simulated >= observed - 1e-9))) / (1 + config.n_simulations)
         # TV over the vocabulary: tokens never drawn contribute their exact mass, 1 - Σ drawn.
-        tv = 0.5 * (1.0 - sum(marginal.values()) + sum(abs(c / n_samples - marginal[t]) for t, c in empirical.items()))
+        tv = 0.5 * (1.0 - sum(marginal.values()) + sum(abs(c / live - marginal[t]) for t, c in empirical.items()))
         reports.append(PositionReport(k + 1, len(groups), observed, p_value, tv, impossible))
         if k == 0:
             detectable = detectable_tv(law[()].node, n_samples, simulated, config.threshold, rng)
@@ -308,7 +313,7 @@ def speculative_samples(engine, prompt_ids: list[int], sampling: SamplingConfig,
     for i in range(config.samples):
         seeded = SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p, seed=config.seed + seed_offset + i)
         result = engine.generate(prompt_ids, GenerateConfig(config.positions, seeded), speculative=speculative)
-        rows.append((result.token_ids + [-1] * config.positions)[: config.positions])
+        rows.append((result.token_ids + [ENDED] * config.positions)[: config.positions])
         position, sample_drafted = 0, 0
         for n_drafted, n_accepted in result.rounds:
             if position >= config.positions:
@@ -359,4 +364,5 @@ def audit_exact(samples: np.ndarray, run: SampleRun, law: dict[tuple, Row], conf
 
 
 def observed_prefixes(samples: np.ndarray) -> list[tuple]:
-    return sorted({tuple(int(t) for t in row[:k]) for row in samples for k in range(samples.shape[1])})
+    """The prefixes after which some sample drew a token (none after it stopped)."""
+    return sorted({tuple(int(t) for t in row[:k]) for row in samples for k in range(samples.shape[1]) if row[k] != ENDED})

@@ -86,9 +86,12 @@ REAL_BUNDLES = {
     "gemma3-int4-b128": ("gemma-3-270m", "int4", ("layer-skip:9",), 1024, "fused", "cpu"),
     # The int4 pair with the draft's LM head trimmed (export --draft-vocab, counted on stdlib,docs).
     "qwen-pair-int4-trim32k": ("qwen2.5-coder-1.5b", "int4", ("qwen2.5-coder-0.5b",), 2048, "fused", "cpu"),
+    # SmolLM2 drafting for itself at coarser blocks (export --draft-block-size 128): the cheapest real pair.
+    "smollm2-pair-int4-d128": ("smollm2-135m", "int4", ("smollm2-135m",), 1024, "fused", "cpu"),
 }
 DRAFT_VOCAB = {"qwen-pair-int4-trim32k": 32768}  # name -> export --draft-vocab
 BLOCK_SIZE = {"gemma3-int4-b128": 128}  # name -> export --block-size (else the default)
+DRAFT_BLOCK_SIZE = {"smollm2-pair-int4-d128": 128}  # name -> export --draft-block-size (else --block-size)
 
 
 def _bundle_path(name: str) -> Path:
@@ -98,7 +101,8 @@ def _bundle_path(name: str) -> Path:
 def _config(name: str) -> str:
     model, quant, drafts, max_context, attention, device = REAL_BUNDLES[name]
     return (f"ExportConfig({model!r}, Path({str(_bundle_path(name))!r}), {quant!r}, {max_context}, {drafts!r}, force=True, "
-            f"attention={attention!r}, device={device!r}, draft_vocab={DRAFT_VOCAB.get(name)!r}, block_size={BLOCK_SIZE.get(name, 32)!r})")
+            f"attention={attention!r}, device={device!r}, draft_vocab={DRAFT_VOCAB.get(name)!r}, block_size={BLOCK_SIZE.get(name, 32)!r}, "
+            f"draft_block_size={DRAFT_BLOCK_SIZE.get(name)!r})")
 
 
 def _export_script(names: list[str]) -> str:

@@ -106,6 +106,31 @@ def test_an_impossible_token_fails_outright():
     assert report.positions[0].impossible == 1 and report.positions[0].p_value == 0.0 and not report.passed
 
 
+def test_samples_that_stop_early_are_judged_only_where_they_drew():
+    """Token 0 stops a generation: the sample is padded with ENDED and draws nothing after it.
+    Exact samples that stop pass; before, the pads were counted as draws of an unlikely token."""
+    law = _law(2)
+    stops = lambda p: np.append(0.3, 0.7 * p[1:] / p[1:].sum())  # noqa: E731
+
+    def draw(rng, tilt=None):
+        rows = _draw(lambda prefix: stops(law(prefix)), 400, 3, rng, tilt)
+        for row in rows:
+            ended = np.flatnonzero(row == 0)
+            if ended.size:
+                row[ended[0] + 1 :] = audit.ENDED
+        return rows
+
+    failed = 0
+    for seed in range(10):
+        samples = draw(np.random.default_rng(seed))
+        assert (samples == audit.ENDED).sum() > 100
+        report = _report(samples, lambda prefix: stops(law(prefix)), 3)
+        assert all(p.impossible == 0 for p in report.positions), report.lines()
+        failed += not report.passed
+    assert failed <= 1
+    assert audit.observed_prefixes(np.array([[0, audit.ENDED, audit.ENDED]])) == [()]
+
+
 def test_without_drafting_in_every_sample_it_is_not_exercised():
     law = _law()
     report = _report(_draw(law, 200, 2, np.random.default_rng(0)), law, 2, drafted=False)

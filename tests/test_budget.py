@@ -321,6 +321,45 @@ def test_a_larger_block_is_written_recorded_and_planned(tiny_models, tmp_path):
     assert weights.block == 64 and weights.embed == round(rows * f.hidden_size * (0.5 + 4 / 64))
 
 
+def test_a_draft_block_of_its_own_is_written_recorded_and_planned(tiny_models, tmp_path):
+    """export --draft-block-size 128: the draft model's nodes have blocks of 128, the target's
+    keep the default, the manifest records each role's, and the plan prices the draft's files at
+    its own block (the target's block would miss them), whole blocks: this draft's 64-wide rows
+    fill half a block of 128."""
+    import onnx
+
+    import tiny
+    from export.bundle import model_facts
+
+    bundle = tmp_path / "d128"
+    tiny.export(tiny_models.llama_quant, bundle, quant="int4", drafts=(str(tiny_models.draft),), draft_block_size=128)
+    manifest = load_manifest(bundle)
+    assert (manifest.target.block_size, manifest.models["draft"].block_size) == (32, 128)
+
+    def written(role):
+        data, blocks = 0, set()
+        for key in manifest.models[role].stages:
+            stage = manifest.stages[key]
+            data += sum((bundle / f).stat().st_size for f in stage.data_files)
+            graph = onnx.load(str(bundle / stage.file), load_external_data=False).graph
+            data += sum(len(t.raw_data) for t in graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL)
+            blocks |= {onnx.helper.get_attribute_value(a) for n in graph.node if n.op_type in ("MatMulNBits", "GatherBlockQuantized") for a in n.attribute if a.name == "block_size"}
+        return data, blocks
+
+    assert written("target")[1] == {32}
+    data, blocks = written("draft")
+    assert blocks == {128}
+    facts = {str(m): model_facts(str(m)) for m in (tiny_models.llama_quant, tiny_models.draft)}
+    rows = manifest.models["draft"].arch.vocab_size
+    assert abs(facts[str(tiny_models.draft)].weights("int4", rows, 128).stored - data) <= 0.02 * data
+    assert abs(facts[str(tiny_models.draft)].weights("int4", rows).stored - data) > 0.05 * data
+    # The export plan prices the draft at its own block, the target at the shared one.
+    drafts = (str(tiny_models.draft),)
+    own, shared = (budget.plan_export(facts[str(tiny_models.llama_quant)], "int4", 128, drafts, facts, draft_block=b) for b in (128, None))
+    # (Here the draft's is the larger: half-empty blocks of 128 hold float32 scales for 64 weights.)
+    assert own.part("weights draft") > shared.part("weights draft") and own.part("weights target") == shared.part("weights target")
+
+
 def _attention() -> str:
     """The attention kind export writes by default (configs without the field write portable)."""
     from export.bundle import ExportConfig

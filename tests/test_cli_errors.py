@@ -248,10 +248,24 @@ def test_export_block_size_it_cannot_apply(tiny_models, tmp_path, args, fragment
     assert not (tmp_path / "b").exists()
 
 
-def test_export_block_size_not_offered(tiny_models, tmp_path):
-    proc = _run("export", tiny_models.llama, "--out", tmp_path / "b", "--block-size", "48", timeout=60)
-    assert proc.returncode == 2 and "--block-size: invalid choice: 48 (choose from 16, 32, 64, 128, 256)" in proc.stderr
+@pytest.mark.parametrize("args, fragment", [
+    (("--draft", "none", "--draft-block-size", "128"), "--draft-block-size quantizes a draft model and this export has none"),
+    (("--draft", "layer-skip:1", "--draft-block-size", "128"), "a layer-skip draft runs the target's own weights"),
+    (("--quant", "fp16", "--draft-block-size", "64"), "--draft-block-size 64 sets int4/int8 scales; --quant fp16 has none"),
+    (("--draft-block-size", "64", "--format", "onnx,coreml"), "drop --format coreml or --draft-block-size"),
+])
+def test_export_draft_block_size_it_cannot_apply(tiny_models, tmp_path, args, fragment):
+    drafts = () if "--draft" in args else ("--draft", tiny_models.draft)
+    proc = _run("export", tiny_models.llama, "--out", tmp_path / "b", *drafts, *args, timeout=60)
+    assert fragment in _error_line(proc)
     assert not (tmp_path / "b").exists()
+
+
+def test_export_block_size_not_offered(tiny_models, tmp_path):
+    for flag in ("--block-size", "--draft-block-size"):
+        proc = _run("export", tiny_models.llama, "--out", tmp_path / "b", flag, "48", timeout=60)
+        assert proc.returncode == 2 and f"{flag}: invalid choice: 48 (choose from 16, 32, 64, 128, 256)" in proc.stderr
+        assert not (tmp_path / "b").exists()
 
 
 def test_export_out_under_a_file(tmp_path, tiny_models):

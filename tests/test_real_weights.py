@@ -247,6 +247,39 @@ def test_smollm2_layer_skip_audit_passes():
     assert report.passed, report.lines()
 
 
+def test_smollm2_drafting_for_itself_at_coarser_blocks_is_exact():
+    """export --draft-block-size 128: the draft model's quantized nodes have blocks of 128 and the
+    target's keep 32, the manifest records each, the coarser draft proposes tokens the target
+    sometimes rejects (it is other numbers than the target), and speculation with it stays exact:
+    greedy equal to plain (block-stable) and the sampled audit passes."""
+    import onnx
+
+    real.need(real.SMOLLM2)
+    path = real.bundle("smollm2-pair-int4-d128")
+    engine = Engine(path, EngineConfig(provider="cpu", drafter="none", calibrate=False, block_stable=True))
+    manifest = engine.bundle.manifest
+    assert (manifest.target.block_size, manifest.models["draft"].block_size) == (32, 128)
+    for role, block in (("target", 32), ("draft", 128)):
+        blocks = {onnx.helper.get_attribute_value(a) for key in manifest.models[role].stages
+                  for n in onnx.load(str(path / manifest.stages[key].file), load_external_data=False).graph.node
+                  if n.op_type in ("MatMulNBits", "GatherBlockQuantized") for a in n.attribute if a.name == "block_size"}
+        assert blocks == {block}, role
+    drafted = accepted = 0
+    for messages in [[{"role": "user", "content": "Name three rivers in Europe."}]] + real.humaneval_messages(2):
+        ids = engine.encode(messages=messages)
+        engine.use_drafter("none")
+        plain = engine.generate(ids, GenerateConfig(max_new_tokens=32)).token_ids
+        engine.use_drafter("model", gamma=4)
+        result = engine.generate(ids, GenerateConfig(max_new_tokens=32))
+        assert result.token_ids == plain, messages
+        drafted += result.stats["drafted_tokens"]
+        accepted += result.stats["accepted_tokens"]
+    assert 0.5 <= accepted / drafted < 1.0, (accepted, drafted)
+    report = _audit(engine, "The three primary colors are", "model", 300)
+    assert report.exercised, report.lines()
+    assert report.passed, report.lines()
+
+
 @pytest.mark.parametrize("drafter", ["suffix", "auto+suffix"])
 def test_smollm2_suffix_cache_copies_an_earlier_answer_exactly(drafter):
     """A repeated request drafts its answer from the suffix cache (a copy from an earlier request,

@@ -266,12 +266,12 @@ def hf_logits(model, ids: list[int]):
 
 
 def export(model_folder: Path, out: Path, quant: str = "fp32", drafts: tuple[str, ...] = (), max_context: int = MAX_CONTEXT, attention: str | None = None, device: str = "cpu",
-           block_size: int = 32):
+           block_size: int = 32, draft_block_size: int | None = None):
     from export.bundle import ExportConfig, export_bundle
 
     return export_bundle(
         ExportConfig(model=str(model_folder), out=Path(out), quant=quant, max_context=max_context, drafts=tuple(drafts), attention=attention, device=device,
-                     block_size=block_size),
+                     block_size=block_size, draft_block_size=draft_block_size),
         log=lambda message: None,
     )
 
