@@ -92,10 +92,11 @@ class ProbeSchedule:
         self.probing = False
 
     def speculating(self) -> None:
-        """Speculation pays again: the next switch-off probes soon."""
+        """Speculation pays again: the next switch-off probes soon, and this round is no probe."""
         self.plain_steps = 0
         self.gap = self.config.probe_first
         self.failed = 0
+        self.probing = False
 
     def sit_out(self) -> bool:
         """Count a plain step; True when a probe is due."""
@@ -170,6 +171,7 @@ class PartPolicy:
         self.estimates: dict[int, AlphaEstimate] = {}
         self.probes = ProbeSchedule(config)
         self.ledger = LossLedger(config.max_loss, costs)
+        self.whole_replay = False  # the round last chosen is a probe whose replay no later round carries
         self.start()
 
     def estimate(self, evidence: int = 0) -> AlphaEstimate:
@@ -208,9 +210,11 @@ class PartPolicy:
         tokens = expected_tokens_per_pass(self.alpha(evidence), gamma)
         return tokens * self.costs.target_cost(1) / self.round_cost(gamma, draft_step_cost, replay_seconds)
 
-    def worst_loss(self, gamma: int, draft_step_cost: float, replay_seconds: float = 0.0) -> float:
-        """What the ledger would hold against the round if the target rejected every drafted token."""
-        return self.round_cost(gamma, draft_step_cost, self.replay_share(replay_seconds, 1)) - self.costs.target_cost(1)
+    def worst_loss(self, gamma: int, draft_step_cost: float, replay_seconds: float = 0.0, whole: bool = False) -> float:
+        """What the ledger would hold against the round if the target rejected every drafted
+        token: its share of the replay, or all of it for a probe (`whole`)."""
+        replay = replay_seconds if whole else self.replay_share(replay_seconds, 1)
+        return self.round_cost(gamma, draft_step_cost, replay) - self.costs.target_cost(1)
 
     def _gains(self, draft_step_cost: float, replay_seconds: float, evidence: int) -> dict[int, float]:
         """Expected speedup of a plain step (γ 0) and of every γ whose worst case the ledger affords."""
@@ -230,6 +234,7 @@ class PartPolicy:
         draft model after plain or copy rounds), and the round's evidence class. Only a γ whose
         worst case the ledger can afford is considered: a long first round on a prior carried
         over from other text must not spend the whole sequence's room at once."""
+        self.whole_replay = False
         if self.config.fixed is not None:
             return self.config.fixed
         gains = self._gains(draft_step_cost, replay_seconds, evidence)
@@ -241,9 +246,19 @@ class PartPolicy:
             self.probes.speculating()
             return best
         if self.probes.sit_out():
-            # Conditions change (a code block starts, say): draft once to refresh α.
-            self.probes.probe()
-            return max(affordable, key=lambda g: gains[g])
+            # Conditions change (a code block starts, say): draft once to refresh α. Its replay
+            # is carried by later rounds only if the model, once caught up, would draft on its
+            # merit; otherwise the probe buys only information and must afford its replay whole
+            # (probes after dozens of skipped prose tokens cost up to a tenth of a sequence where
+            # multi-token passes are dear).
+            caught_up = max(self.expected_speedup(g, draft_step_cost, 0.0, evidence) for g in affordable)
+            whole = caught_up < self.config.min_gain
+            room = self.ledger.room()
+            probes = [g for g in affordable if self.worst_loss(g, draft_step_cost, replay_seconds, whole) <= room]
+            if probes:
+                self.probes.probe()
+                self.whole_replay = whole
+                return max(probes, key=lambda g: gains[g])
         return 0
 
     def update(self, n_drafted: int, n_accepted: int, evidence: int = 0) -> None:
@@ -309,8 +324,9 @@ class RoundPolicy:
         if done.n_drafted:
             part = self.parts[done.drafter]
             part.update(done.n_drafted, done.n_accepted, self._evidence)
-            # The ledger holds the round's share of its replay (replay_share).
-            replay = part.replay_share(done.catch_up_s, done.n_committed)
+            # The ledger holds the round's share of its replay (replay_share), or all of it for
+            # a probe that later rounds are not expected to carry (PartPolicy.choose).
+            replay = done.catch_up_s if part.whole_replay else part.replay_share(done.catch_up_s, done.n_committed)
             part.ledger.record(done.round_s - done.catch_up_s + replay, done.n_committed)
             if done.drafter in self._priced:
                 self.costs.record_draft(done.drafter, done.n_drafted, done.draft_s - done.catch_up_s)

@@ -343,3 +343,15 @@ def test_c_per_mode_is_the_model_parts_not_a_copiers():
     assert _mode_cost({"lookup": 0.005, "suffix": 0.004, "model": 0.29}) == 0.29
     assert _mode_cost({"lookup": 0.005}) == 0.005
     assert _mode_cost({}) is None
+
+
+def test_results_record_the_cpu_features_that_set_multi_token_pass_costs(bench_out):
+    from benchmarks.bench.run import cpu_features
+
+    x86 = "processor\t: 0\nmodel name\t: AMD EPYC 9654\nflags\t\t: fpu avx2 fma avx512f avx512_vnni\n\nprocessor\t: 1\nmodel name\t: other\n"
+    assert cpu_features(x86) == {"cpu": "AMD EPYC 9654", "isa": ["avx2", "fma", "avx512f", "avx512_vnni"]}
+    arm = "processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd asimddp i8mm\n"
+    assert cpu_features(arm) == {"cpu": "", "isa": ["asimddp", "i8mm"]}
+    machine = json.loads((bench_out / "results.json").read_text())["machine"]
+    if Path("/proc/cpuinfo").exists():
+        assert machine["isa"] == cpu_features()["isa"] and "cpu" in machine

@@ -471,6 +471,33 @@ def test_a_draft_model_that_sat_out_comes_back():
     assert drafted[-1] >= 1 and lag > 10  # it sat out, then its replay did not keep it out
 
 
+def test_a_probe_that_buys_only_information_pays_its_replay_whole():
+    """The case of the test above at an α where the model, even caught up, would not draft on
+    its merit (prose): no later round carries a probe's replay, so probes stop once the whole
+    replay outgrows the room, and the ledger holds a probe's replay whole. Held by its share,
+    probes after dozens of skipped tokens replayed them at every probe_every plain steps."""
+    costs = _costs({1: 1.0, 2: 1.27, 3: 1.84, 4: 2.13})
+    low = _with_alpha(0.4, costs)
+    low.start(horizon_tokens=128)  # room 1.28 s; a γ = 1 probe's worst case is 0.43 s plus its replay
+    assert not any(low.choose(draft_step_cost=0.16, replay_seconds=0.08 * 40) for _ in range(40))  # 3.2 s replay
+    assert low.choose(draft_step_cost=0.16, replay_seconds=0.08 * 4) == 1 and low.whole_replay  # 0.32 s: affordable
+    high = _with_alpha(0.95, costs)  # caught up it would gain: its probe's replay goes by share
+    high.start(horizon_tokens=128)
+    high.ledger.record(2 * 0.16 + 1.84, 1)
+    high.ledger.advance(1)
+    for lag in range(100):
+        if high.choose(draft_step_cost=0.16, replay_seconds=0.08 * lag):
+            break
+        high.ledger.advance(1)
+    assert 10 < lag < 99 and not high.whole_replay
+    lm = ToyLM(3)
+    policy = RoundPolicy(_costs({1: 1.0, 2: 1.0})).start(DraftModelDrafter(lm), horizon_tokens=50)
+    part = policy.parts["model"]
+    part.whole_replay = True
+    policy.observe(Round("model", 2, 2, 0, 1, draft_s=2.5, target_s=1.0, round_s=3.5, catch_up_tokens=20, catch_up_s=2.0))
+    assert part.ledger.loss_seconds == pytest.approx(3.5 - 1.0)
+
+
 def test_the_ledger_records_a_replay_by_the_share_its_round_pays():
     lm = ToyLM(3)
     policy = RoundPolicy(_costs({1: 1.0, 2: 1.0})).start(DraftModelDrafter(lm), horizon_tokens=50)

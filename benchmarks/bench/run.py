@@ -85,12 +85,33 @@ class MicroConfig:
             raise ValueError(f"micro settings must be positive: {self}")
 
 
+# The CPU features that decide how fast a multi-token int4 pass runs: the same bundle's
+# verify-cost curve and draft cost differ between hosts with and without AVX-512 VNNI.
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_int8", "asimddp", "i8mm", "sve")
+
+
+def cpu_features(cpuinfo: str | None = None) -> dict:
+    """The CPU's model name and which of ISA_FLAGS it has, from /proc/cpuinfo (empty elsewhere)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return {}
+    fields = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = set((fields.get("flags") or fields.get("Features") or "").split())
+    return {"cpu": fields.get("model name", ""), "isa": [flag for flag in ISA_FLAGS if flag in flags]}
+
+
 def _machine() -> dict:
     import onnxruntime
 
     return {
         "platform": platform.platform(),
         "processor": platform.processor(),
+        **cpu_features(),
         "python": platform.python_version(),
         "onnxruntime": onnxruntime.__version__,
     }

@@ -156,4 +156,18 @@ class LoopTest {
         val slow = PartPolicy(GammaConfig(), costs, priorAlpha = 0.1)
         assertEquals(0, slow.choose(0.05))
     }
+
+    @Test
+    fun `a probe that buys only information pays its replay whole`() {
+        val costs = dev.edgespec.core.CostModel().apply { mapOf(1 to 1.0, 2 to 1.27, 3 to 1.84, 4 to 2.13).forEach { (b, s) -> recordTarget(b, s) } }
+        val low = PartPolicy(GammaConfig(), costs, priorAlpha = 0.4).apply { start(128) }
+        assertTrue((0 until 40).none { low.choose(0.16, 0.08 * 40) > 0 }, "a probe replayed 40 tokens")
+        assertEquals(1, low.choose(0.16, 0.08 * 4))
+        assertTrue(low.wholeReplay)
+        val high = PartPolicy(GammaConfig(), costs, priorAlpha = 0.95).apply { start(128) }
+        high.ledger.record(2 * 0.16 + 1.84, 1)
+        high.ledger.advance(1)
+        val back = (0 until 100).first { high.choose(0.16, 0.08 * it) > 0 || run { high.ledger.advance(1); false } }
+        assertTrue(back in 11..98 && !high.wholeReplay, "came back after $back")
+    }
 }

@@ -43,7 +43,7 @@ class ProbeSchedule(private val config: GammaConfig) {
     var probing = false
 
     fun start() { plainSteps = 0; gap = config.probeFirst; failed = 0; probing = false }
-    fun speculating() { plainSteps = 0; gap = config.probeFirst; failed = 0 }
+    fun speculating() { plainSteps = 0; gap = config.probeFirst; failed = 0; probing = false }
     /** Counts a plain step; true when a probe is due. */
     fun sitOut(): Boolean { plainSteps += 1; return plainSteps >= gap && failed < config.maxFailedProbes }
     fun probe() { plainSteps = 0; gap = minOf(2 * gap, config.probeEvery); probing = true }
@@ -84,6 +84,8 @@ class PartPolicy(val config: GammaConfig, val costs: CostModel, private val prio
     val estimates = LinkedHashMap<Int, AlphaEstimate>()
     val probes = ProbeSchedule(config)
     val ledger = LossLedger(config.maxLoss, costs)
+    /** The round last chosen is a probe whose replay no later round carries. */
+    var wholeReplay = false
 
     fun estimate(evidence: Int = 0): AlphaEstimate = estimates.getOrPut(evidence) { AlphaEstimate(priorAlpha, config.decay) }
     fun alpha(evidence: Int = 0): Double = estimate(evidence).value
@@ -108,9 +110,9 @@ class PartPolicy(val config: GammaConfig, val costs: CostModel, private val prio
         return tokens * costs.targetCost(1) / roundCost(gamma, draftStepCost, replaySeconds)
     }
 
-    /** What the ledger would hold against the round if the target rejected every drafted token. */
-    fun worstLoss(gamma: Int, draftStepCost: Double, replaySeconds: Double = 0.0): Double =
-        roundCost(gamma, draftStepCost, replayShare(replaySeconds, 1.0)) - costs.targetCost(1)
+    /** What the ledger would hold against the round if the target rejected every drafted token: its share of the replay, or all of it for a probe (whole). */
+    fun worstLoss(gamma: Int, draftStepCost: Double, replaySeconds: Double = 0.0, whole: Boolean = false): Double =
+        roundCost(gamma, draftStepCost, if (whole) replaySeconds else replayShare(replaySeconds, 1.0)) - costs.targetCost(1)
 
     /** Expected speedup of a plain step (γ 0) and of every γ whose worst case the ledger affords. */
     private fun gains(draftStepCost: Double, replaySeconds: Double, evidence: Int): Map<Int, Double> {
@@ -127,13 +129,20 @@ class PartPolicy(val config: GammaConfig, val costs: CostModel, private val prio
 
     /** Only a γ whose worst case the ledger can afford is considered (runtime/policy.py PartPolicy.choose). */
     fun choose(draftStepCost: Double, replaySeconds: Double = 0.0, evidence: Int = 0): Int {
+        wholeReplay = false
         config.fixed?.let { return it }
         val gains = gains(draftStepCost, replaySeconds, evidence)
         val affordable = gains.keys.filter { it > 0 }
         if (affordable.isEmpty()) return 0
         val best = gains.keys.maxBy { gains.getValue(it) }  // the first of equals: the shortest
         if (gains.getValue(best) >= config.minGain) { probes.speculating(); return best }
-        if (probes.sitOut()) { probes.probe(); return affordable.maxBy { gains.getValue(it) } }
+        if (probes.sitOut()) {
+            // A probe whose model, caught up, would not draft on its merit buys only information: no later round carries its replay.
+            val whole = affordable.maxOf { expectedSpeedup(it, draftStepCost, 0.0, evidence) } < config.minGain
+            val room = ledger.room()
+            val probeable = affordable.filter { worstLoss(it, draftStepCost, replaySeconds, whole) <= room }
+            if (probeable.isNotEmpty()) { probes.probe(); wholeReplay = whole; return probeable.maxBy { gains.getValue(it) } }
+        }
         return 0
     }
 
@@ -192,8 +201,8 @@ class RoundPolicy(val costs: CostModel = CostModel(), private val priorAlpha: Do
         if (done.nDrafted > 0) {
             val part = parts.getValue(done.drafter!!)
             part.update(done.nDrafted, done.nAccepted, evidence)
-            // The ledger holds the round's share of its replay (replayShare); the expected gain counts it whole.
-            val replay = part.replayShare(done.catchUpSeconds, done.nCommitted.toDouble())
+            // The ledger holds the round's share of its replay (replayShare), or all of it for a probe no later round carries.
+            val replay = if (part.wholeReplay) done.catchUpSeconds else part.replayShare(done.catchUpSeconds, done.nCommitted.toDouble())
             part.ledger.record(done.roundSeconds - done.catchUpSeconds + replay, done.nCommitted)
             if (done.drafter in priced) {
                 costs.recordDraft(done.drafter, done.nDrafted, done.draftSeconds - done.catchUpSeconds)
