@@ -249,8 +249,7 @@ class PartPolicy:
             # Conditions change (a code block starts, say): draft once to refresh α. Its replay
             # is carried by later rounds only if the model, once caught up, would draft on its
             # merit; otherwise the probe buys only information and must afford its replay whole
-            # (probes after dozens of skipped prose tokens cost up to a tenth of a sequence where
-            # multi-token passes are dear).
+            # (on prose, where multi-token passes are dear, such replays cost more than they found).
             caught_up = max(self.expected_speedup(g, draft_step_cost, 0.0, evidence) for g in affordable)
             whole = caught_up < self.config.min_gain
             room = self.ledger.room()
