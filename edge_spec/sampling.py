@@ -20,14 +20,33 @@ from dataclasses import dataclass
 import numpy as np
 
 
-def _as_int(value, message: str) -> int:
-    """value as an int; bools and non-integers raise ValueError(message)."""
+# The smallest temperature above 0: every finite float32 logit (what every graph returns)
+# divided by it stays finite in float64 (3.4e38 / 1.8e308 = 1.9e-270), so no row overflows.
+MIN_TEMPERATURE = 1e-269
+
+
+class SettingError(ValueError):
+    """A request setting out of range; `param` names it (the server's error field, the API's keyword)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def shown(value, limit: int = 40) -> str:
+    """A value as an error message quotes it: never more than `limit` characters of the input."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _as_int(value, param: str, message: str) -> int:
+    """value as an int; bools and non-integers raise SettingError(param, message)."""
     if isinstance(value, bool):
-        raise ValueError(f"{message}, got {value!r}")
+        raise SettingError(param, f"{message}, got {value!r}")
     try:
         return operator.index(value)
     except TypeError:
-        raise ValueError(f"{message}, got {value!r}") from None
+        raise SettingError(param, f"{message}, got {shown(value)}") from None
 
 
 @dataclass(frozen=True)
@@ -42,18 +61,21 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         # Reject bad values here so a misconfigured run fails at construction, not mid-decode.
         if not isinstance(self.temperature, numbers.Real) or isinstance(self.temperature, bool):
-            raise ValueError(f"temperature must be a number, got {self.temperature!r}")
+            raise SettingError("temperature", f"temperature must be a number, got {shown(self.temperature)}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
-            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature!r}")
-        if _as_int(self.top_k, "top_k must be an int") < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k!r}")
+            raise SettingError("temperature", f"temperature must be finite and >= 0, got {shown(self.temperature)}")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            raise SettingError("temperature", f"temperature {self.temperature!r} is too small (the logits would overflow): "
+                                              f"use 0 for greedy or at least {MIN_TEMPERATURE:g}")
+        if _as_int(self.top_k, "top_k", "top_k must be an int") < 0:
+            raise SettingError("top_k", f"top_k must be >= 0 (0 disables it), got {shown(self.top_k)}")
         if not isinstance(self.top_p, numbers.Real) or isinstance(self.top_p, bool):
-            raise ValueError(f"top_p must be a number, got {self.top_p!r}")
+            raise SettingError("top_p", f"top_p must be a number, got {shown(self.top_p)}")
         if not (0.0 < self.top_p <= 1.0):  # also rejects NaN
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise SettingError("top_p", f"top_p must be in (0, 1], got {shown(self.top_p)}")
         if self.seed is not None:
-            if _as_int(self.seed, "seed must be an int or None") < 0:
-                raise ValueError(f"seed must be >= 0 (numpy seeding rule), got {self.seed!r}")
+            if _as_int(self.seed, "seed", "seed must be an int or None") < 0:
+                raise SettingError("seed", f"seed must be >= 0 (numpy seeding rule), got {shown(self.seed)}")
 
     @property
     def greedy(self) -> bool:

@@ -47,6 +47,23 @@ def _number(low: float, high: float | None = None, low_open: bool = False):
     return parse
 
 
+def _temperature(high: float):
+    """An argparse type: 0 (greedy) or a temperature the sampler accepts, up to high."""
+    number = _number(0.0, high)
+
+    def parse(text: str) -> float:
+        from edge_spec.sampling import SamplingConfig
+
+        value = number(text)
+        try:
+            SamplingConfig(temperature=value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return value
+
+    return parse
+
+
 def _gamma(text: str) -> str:
     if text == "auto":
         return text
@@ -116,7 +133,7 @@ def _memory_budget_arg(parser: argparse.ArgumentParser) -> None:
 def _prompt_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
-    parser.add_argument("--temperature", type=_number(0.0, 100.0), default=0.0)
+    parser.add_argument("--temperature", type=_temperature(100.0), default=0.0)
     parser.add_argument("--top-k", type=_integer(0), default=0)
     parser.add_argument("--top-p", type=_number(0.0, 1.0, low_open=True), default=1.0)
 
@@ -391,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--repeat", type=_integer(1), default=1, help="passes over all prompts, interleaved")
     bench.add_argument("--gamma", type=_gamma, default="auto", help="auto (adaptive) or a fixed draft length")
     bench.add_argument("--max-gamma", type=_integer(1, MAX_GAMMA), default=8)
-    bench.add_argument("--temperature", type=_number(0.0), default=0.0, help="0 (default): greedy; above 0: sampled, once per seed")
+    bench.add_argument("--temperature", type=_temperature(math.inf), default=0.0, help="0 (default): greedy; above 0: sampled, once per seed")
     bench.add_argument("--top-p", type=_number(0.0, 1.0, low_open=True), default=1.0, help="with --temperature (default 1.0)")
     bench.add_argument("--seeds", type=_integer(1), default=1, help="with --temperature: runs per prompt and mode, seeds 0..N-1")
     bench.add_argument("--provider", default="auto", help="auto|cpu|cuda|dml|coreml (default auto)")
@@ -433,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     _engine_args(chat)
     chat.add_argument("--system", help="system prompt")
     chat.add_argument("--max-new-tokens", type=_integer(1), default=512)
-    chat.add_argument("--temperature", type=_number(0.0, 100.0), default=0.7)
+    chat.add_argument("--temperature", type=_temperature(100.0), default=0.7)
     chat.add_argument("--top-k", type=_integer(0), default=0)
     chat.add_argument("--top-p", type=_number(0.0, 1.0, low_open=True), default=1.0)
     chat.add_argument("--seed", type=_integer(0, 2**63 - 1))

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Iterator
 
-from edge_spec.sampling import SamplingConfig
+from edge_spec.sampling import SamplingConfig, SettingError, shown
 from runtime.engine import Engine, EngineConfig, GenerateConfig, GenerationResult, Prompt, PromptTooLongError
 from runtime.stats import summarize
 
@@ -73,12 +73,12 @@ class Options:
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise SettingError("max_tokens", f"max_tokens must be an integer >= 1, got {shown(self.max_tokens)}")
         if self.stop is None or isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,) if self.stop else ())
         stop = tuple(self.stop)
         if not all(isinstance(s, str) and s for s in stop):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+            raise SettingError("stop", f"stop must be non-empty strings, got {shown(self.stop)}")
         object.__setattr__(self, "stop", stop)
         self.sampling()  # validates temperature, top_k, top_p, seed
 

@@ -39,6 +39,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from edge_spec.sampling import SettingError
 from runtime.api import Job, Model, ModelClosedError, Options, QueueFullError, QueueTimeoutError
 from runtime.engine import Prompt, PromptTooLongError
 from runtime.tokenizer import ChatTemplateError
@@ -639,8 +640,11 @@ class Server:
         seed = _integer(body, "seed", None, 0, 2**63 - 1)
         if top_p == 0.0:  # the smallest nucleus: only the most likely token
             temperature, top_p = 0.0, 1.0
-        return Options(max_tokens=max_tokens, temperature=temperature, top_k=max(top_k, 0), top_p=top_p, seed=seed,
-                       stop=_stop(body))
+        try:  # Options is the API's own check (a temperature too small to scale the logits, ...)
+            return Options(max_tokens=max_tokens, temperature=temperature, top_k=max(top_k, 0), top_p=top_p, seed=seed,
+                           stop=_stop(body))
+        except SettingError as exc:
+            raise _value_error(exc.param, str(exc)) from None
 
     def _stream_flags(self, body: dict) -> tuple[bool, bool]:
         stream = _boolean(body, "stream", False)

@@ -433,3 +433,13 @@ def test_an_abandoned_engine_stream_does_not_block_other_threads_forever(llama_b
     assert engine.generate(ids, GenerateConfig(2)).stop_reason in ("length", "eos")
     with pytest.raises(ValueError, match="stream_idle_timeout"):
         EngineConfig(stream_idle_timeout=0)
+
+
+# -- the checks the server makes, made by the API ----------------------------------------------------
+
+@pytest.mark.parametrize("temperature", [1e-310, 5e-324])
+def test_a_temperature_that_overflows_the_logits_is_refused(model, temperature):
+    with pytest.raises(ValueError, match=r"at least 1e-269") as caught:
+        model.generate("the cat", max_tokens=2, temperature=temperature)
+    assert "\n" not in str(caught.value)
+    assert model.generate("the cat", max_tokens=2, temperature=1e-269, seed=0).stop_reason in ("length", "eos")

@@ -168,6 +168,8 @@ def test_generate_json_is_greedy_and_matches_api(llama_bundle):
     (("generate", "--prompt", "x", "--top-p", "0"), "--top-p: 0 is out of range"),
     (("generate", "--prompt", "x", "--max-new-tokens", "0"), "--max-new-tokens: 0 is out of range"),
     (("chat", "--temperature", "-1"), "--temperature: -1 is out of range"),
+    (("generate", "--prompt", "x", "--temperature", "1e-310"), "at least 1e-269"),
+    (("chat", "--temperature", "5e-324"), "at least 1e-269"),
 ])
 def test_bad_values_fail_before_any_load(llama_bundle, args, fragment):
     import time

@@ -550,3 +550,21 @@ def test_load_run_script_reports_a_small_run(llama_bundle, tmp_path):
     assert s["server_errors_5xx"] == 0 and s["all_identical_to_solo"] and s["slow_clients_all_closed"]
     assert [w["oversized_status"] for w in report["waves"]] == [[400], [400]]
     assert all(w["health"]["polls"] > 0 and w["server_rss_mb"] > 0 for w in report["waves"])
+
+
+# -- second pass: sampling settings, the API's checks, strict parsing ---------------------------------
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "the cat", "max_tokens": 2, "temperature": 1e-310}),
+    ("/v1/completions", {"prompt": "the cat", "max_tokens": 2, "temperature": 1e-310, "stream": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 5e-324}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 5e-324,
+                              "stream": True}),
+])
+def test_a_temperature_that_overflows_the_logits_is_400(fast, path, body):
+    _, port = fast
+    status, _, answer = request(port, "POST", path, body)
+    assert status == 400, answer
+    assert answer["error"]["param"] == "temperature" and "at least 1e-269" in answer["error"]["message"]
+    status, _, answer = request(port, "POST", path, {**body, "temperature": 1e-269})
+    assert status == 200, answer
