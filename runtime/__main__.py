@@ -332,12 +332,23 @@ def cmd_plan(args) -> int:
     return 0 if plan.fits else 1
 
 
+def _ort_version(text: str) -> str:
+    """An argparse type: an onnxruntime version such as 1.23.0, checked at parse time."""
+    from edge_spec.placement import PlacementError, version_key
+
+    try:
+        version_key(text)
+    except PlacementError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def cmd_check(args) -> int:
     from edge_spec.placement import check_bundle
     from runtime.bundle import open_bundle
 
     bundle = open_bundle(args.bundle, check_hashes=False)
-    report = check_bundle(bundle.manifest, bundle.path, args.provider)
+    report = check_bundle(bundle.manifest, bundle.path, args.provider, args.onnxruntime)
     if args.json:
         print(json.dumps({"bundle": str(bundle.path), "device": bundle.manifest.device, **report.to_dict()}))
         return 0 if report.ok else 1
@@ -345,6 +356,15 @@ def cmd_check(args) -> int:
     for op, misses in report.by_op().items():
         stages = sorted({m.stage for m in misses})
         print(f"  {op}: {len(misses)} node(s) in {', '.join(stages)}: {misses[0].reason}")
+    # A node a kernel fact matches would compute something else (or not be taken): name each.
+    for op, found in report.facts_by_op().items():
+        for reason in dict.fromkeys(m.reason for m in found):
+            nodes = [m for m in found if m.reason == reason]
+            print(f"  {op}: {len(nodes)} node(s): {reason} [{nodes[0].source}]")
+            for m in nodes[:8]:
+                print(f"    {m.stage}: {m.node}" + (f" ({m.detail})" if m.detail else ""))
+            if len(nodes) > 8:
+                print(f"    ... and {len(nodes) - 8} more")
     print(f"  kernel table: {report.table_source}")
     return 0 if report.ok else 1
 
@@ -468,7 +488,11 @@ def main(argv: list[str] | None = None) -> int:
     check = sub.add_parser("check", help="does a provider have a kernel for every node of the bundle's graphs? exits 1 if not")
     check.add_argument("bundle")
     check.add_argument("--provider", required=True, choices=("cpu", "cuda", "dml", "coreml"))
-    check.add_argument("--json", action="store_true", help="one JSON object: nodes, ok, missing (per op: stage, node, reason)")
+    check.add_argument("--json", action="store_true",
+                       help="one JSON object: nodes, ok, missing and kernel_facts (per op: stage, node, reason)")
+    check.add_argument("--onnxruntime", metavar="VERSION", type=_ort_version,
+                       help="the onnxruntime release the bundle will run on (e.g. NVIDIA's Jetson build), for kernels "
+                       "that exist only from a later one (default: the kernel table's own release)")
     check.set_defaults(func=cmd_check)
 
     handoff = sub.add_parser("handoff", help="print the vLLM or SGLang serve command for the same target and draft")

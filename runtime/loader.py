@@ -24,7 +24,7 @@ from runtime.drafters.prompt_lookup import PromptLookupDrafter
 from runtime.drafters.suffix import SuffixDrafter, SuffixIndex, SuffixSettings
 from runtime.kv_cache import KVCache
 from runtime.model import ModelRunner
-from runtime.sessions import NO_CPU_FALLBACK, ProviderChoice, SessionConfig, kv_device, open_session, resolve_provider
+from runtime.sessions import NO_CPU_FALLBACK, ProviderChoice, SessionConfig, kv_device, open_session, ort, resolve_provider
 from runtime.tokenizer import BundleTokenizer
 
 if TYPE_CHECKING:
@@ -86,7 +86,8 @@ class Loader:
             keys = [k for role in roles if role in manifest.models for k in manifest.models[role].stages]
             if provider in NO_CPU_FALLBACK:
                 stages = {k: manifest.stages[k] for k in dict.fromkeys(keys) if manifest.stages[k].file and k not in manifest.coreml}
-                report = check_bundle(dataclasses.replace(manifest, stages=stages), self.bundle.path, provider)
+                # The installed release: NVIDIA's Jetson builds lag the wheel the kernel tables were read from.
+                report = check_bundle(dataclasses.replace(manifest, stages=stages), self.bundle.path, provider, ort.__version__)
                 if not report.ok:
                     why = f"bundle {self.bundle.path} (--device {manifest.device}) cannot run on {provider}: {report.summary()}"
                     fix = f"re-export it with --device {provider} (`python -m runtime check BUNDLE --provider {provider}` lists the nodes)"

@@ -136,16 +136,20 @@ def test_cuda_bundles_place_on_cuda(cuda_bundles):
 
 def test_directml_takes_the_float16_graphs_but_not_a_quantized_embedding(cuda_bundles, dml_bundle):
     """DirectML registers no GatherBlockQuantized, so --device dml keeps the embedding float16
-    (the MatMuls stay MatMulNBits) and places there, and on CUDA too; a --device cuda int4
-    bundle misses that one op on DirectML."""
+    (the MatMuls stay MatMulNBits): every node has a DirectML kernel by type, and the bundle places
+    on CUDA too; a --device cuda int4 bundle misses that one op on DirectML. Having a kernel is not
+    computing the graph: the kernel facts name what DirectML's kernels would get wrong."""
     for name in ("qwen2-fp16", "llama-fp16"):
-        assert check_bundle(load_manifest(cuda_bundles[name]), cuda_bundles[name], "dml").ok, name
+        report = check_bundle(load_manifest(cuda_bundles[name]), cuda_bundles[name], "dml")
+        assert not report.misses and list(report.facts_by_op()) == ["com.microsoft::GroupQueryAttention"], name
     report = check_bundle(load_manifest(cuda_bundles["qwen2-int4"]), cuda_bundles["qwen2-int4"], "dml")
     assert list(report.by_op()) == ["com.microsoft::GatherBlockQuantized"]
     manifest = load_manifest(dml_bundle)
     assert manifest.device == "dml"
-    for provider in ("dml", "cuda"):
-        assert check_bundle(manifest, dml_bundle, provider).ok, provider
+    assert check_bundle(manifest, dml_bundle, "cuda").ok
+    report = check_bundle(manifest, dml_bundle, "dml")
+    assert not report.misses and not report.ok
+    assert set(report.facts_by_op()) == {"com.microsoft::GroupQueryAttention", "com.microsoft::MatMulNBits"}
     ops = {n.op_type for key in manifest.target.stages for n in onnx.load(str(dml_bundle / manifest.stages[key].file), load_external_data=False).graph.node}
     assert "MatMulNBits" in ops and "GatherBlockQuantized" not in ops
 
@@ -224,6 +228,100 @@ def test_check_cli(bundles, cuda_bundles, tmp_path):
     (tmp_path / "notabundle").mkdir()
     line = _error_line(_run("runtime", "check", tmp_path / "notabundle", "--provider", "cuda"), only_line=True)
     assert "is not a bundle" in line
+
+
+# -- kernel facts: a kernel that exists but computes something else -----------------------------
+
+
+@pytest.fixture(scope="module")
+def wide_coreml_bundle(tmp_path_factory, tiny_models):
+    """--device coreml graphs of a one-layer Llama whose merged gate/up projection is 16,400
+    wide, as Qwen2.5-1.5B's (17,920) is: past the Core ML EP's 16,384 input limit."""
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("wide")
+    tok = AutoTokenizer.from_pretrained(tiny_models.llama)
+    config = tiny.llama_config(len(tok), n_layers=1)
+    config.intermediate_size = 8200
+    torch.manual_seed(0)
+    tiny._save(LlamaForCausalLM(config).eval(), tok, root / "model")
+    tiny.export(root / "model", root / "bundle", quant="fp32", attention=None, device="coreml")
+    return root / "bundle"
+
+
+def test_check_names_what_directmls_kernels_would_compute_wrong(dml_bundle):
+    """Today's --device dml bundle has a DirectML kernel for every node's types, but
+    GroupQueryAttention there skips rotary and forgets the cache for T > 1, and MatMulNBits
+    dequantizes 3-input symmetric weights without their offset: runtime check exits 1 naming
+    each, with the kernel source it was read from."""
+    proc = _run("runtime", "check", dml_bundle, "--provider", "dml")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "have no dml kernel" not in out
+    assert "do_rotary" in out and "cos/sin" in out and "(do_rotary=1)" in out
+    assert "past length of 0" in out and "more than one token" in out
+    assert "zero-point input" in out and "offset 2^(bits-1)" in out and "(the node has 3 inputs)" in out
+    assert "DmlOperatorGroupQueryAttention.cpp@076c3788a" in out and "DmlOperatorMatMulNBits.cpp@171d61606" in out
+    report = json.loads(_run("runtime", "check", dml_bundle, "--provider", "dml", "--json").stdout)
+    assert not report["ok"] and not report["missing"]
+    facts = report["kernel_facts"]
+    attention = facts["com.microsoft::GroupQueryAttention"]
+    layers = sum(len(load_manifest(dml_bundle).stages[k].layers) for k in load_manifest(dml_bundle).target.stages)
+    assert len({f["node"] for f in attention}) == layers and len(attention) == 2 * layers  # rotary and past length, each layer
+    assert all(len(f["source"]) > 10 for f in facts["com.microsoft::MatMulNBits"])
+
+
+def test_coreml_check_names_the_dimension_limit_and_the_nodes(wide_coreml_bundle, coreml_bundle):
+    proc = _run("runtime", "check", wide_coreml_bundle, "--provider", "coreml")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "dimension above 16384" in proc.stdout and "helper.cc@01960e769" in proc.stdout
+    report = check_bundle(load_manifest(wide_coreml_bundle), wide_coreml_bundle, "coreml")
+    assert not report.misses
+    # The merged gate/up MatMul (its 64x16400 weight) and the Split of its output.
+    assert {f.op for f in report.facts} == {"ai.onnx::MatMul", "ai.onnx::Split"}
+    assert all("16400" in f.detail and f"{f.node} (input " in proc.stdout for f in report.facts)
+    assert check_bundle(load_manifest(coreml_bundle), coreml_bundle, "coreml").ok  # narrow tensors: every node placed
+
+
+def test_cuda_gather_block_quantized_needs_onnxruntime_1_23(cuda_bundles):
+    """NVIDIA's older Jetson builds have no CUDA GatherBlockQuantized: checked for the
+    onnxruntime the bundle will run on; a version that is not one is refused at parse time."""
+    bundle = cuda_bundles["qwen2-int4"]
+    manifest = load_manifest(bundle)
+    assert check_bundle(manifest, bundle, "cuda").ok and check_bundle(manifest, bundle, "cuda", "1.23.0").ok
+    old = check_bundle(manifest, bundle, "cuda", "1.22.2")
+    assert list(old.facts_by_op()) == ["com.microsoft::GatherBlockQuantized"] and "1.23.0" in old.summary()
+    assert check_bundle(load_manifest(cuda_bundles["qwen2-fp16"]), cuda_bundles["qwen2-fp16"], "cuda", "1.20.0").ok  # float16 embedding
+    proc = _run("runtime", "check", bundle, "--provider", "cuda", "--onnxruntime", "1.22.0")
+    assert proc.returncode == 1 and "GatherBlockQuantized" in proc.stdout and "gather_block_quantized.cc" in proc.stdout
+    assert "not an onnxruntime version" in _error_line(_run("runtime", "check", bundle, "--provider", "cuda", "--onnxruntime", "latest"))
+
+
+def test_directml_refuses_the_bundle_its_kernels_would_compute_wrong(dml_bundle, monkeypatch):
+    """On DirectML (faked as available) the loader refuses today's dml bundle before any session."""
+    import runtime.loader as loader_module
+    from runtime.sessions import ProviderChoice
+
+    monkeypatch.setattr(loader_module, "resolve_provider", lambda name, allow: ProviderChoice("dml", "dml", ("DmlExecutionProvider",)))
+    monkeypatch.setattr(loader_module, "open_session", lambda *a, **k: pytest.fail("a session was opened"))
+    with pytest.raises(BundleError, match=r"cannot run on dml: .*would not run as the graph means.*do_rotary"):
+        Engine(dml_bundle, EngineConfig(provider="dml", drafter="none", calibrate=False))
+
+
+def test_kernel_facts_are_data_with_their_source():
+    from edge_spec.placement import FACT_RULES, KernelFact, PlacementError, load_facts
+
+    facts = [f for p in ("cpu", "cuda", "dml", "coreml") for f in load_facts(p)]
+    assert {f.rule for f in facts} == set(FACT_RULES)
+    assert all(len(f.source["commit"]) == 40 and f.source["file"].startswith("onnxruntime/") and f.source["reads"] for f in facts)
+    good = dict(provider="dml", op="com.microsoft::MatMulNBits", rule="input_required", input=3, reason="r",
+                source={"file": "onnxruntime/x.cc", "commit": "0" * 40})
+    KernelFact(**good)
+    for bad, message in ((dict(rule="guess"), "unknown rule"), (dict(source={"file": "x"}), "40-digit commit"),
+                         (dict(input=-1), "parameters are missing"), (dict(provider="tpu"), "unknown provider")):
+        with pytest.raises(PlacementError, match=message):
+            KernelFact(**{**good, **bad})
 
 
 # -- refusals and warnings -----------------------------------------------------------------------

@@ -150,9 +150,11 @@ def test_allow_fallback_runs_on_cpu_and_says_so(fake_ort, llama_bundle):
 # -- per-role providers and each provider's options ---------------------------------------------------
 
 
-@pytest.mark.parametrize("target, draft", [("cuda", "cpu"), ("cpu", "cuda"), ("cuda", "dml")])
+# Two accelerators, one per role: Core ML, not DirectML, beside CUDA, since DirectML's
+# GroupQueryAttention would skip the cuda graphs' rotary and the loader refuses them there.
+@pytest.mark.parametrize("target, draft", [("cuda", "cpu"), ("cpu", "cuda"), ("cuda", "coreml")])
 def test_draft_provider_per_role(fake_ort, llama_gpu_bundle, target, draft):
-    fake = fake_ort(CUDA, DML, CPU)
+    fake = fake_ort(CUDA, DML, CPU, COREML)
     engine = _engine(llama_gpu_bundle, provider=target, draft_provider=draft, drafter="model")
     target_files, draft_files = _files(llama_gpu_bundle, "target"), _files(llama_gpu_bundle, "draft")
     by_file = _by_file(fake)
@@ -163,8 +165,8 @@ def test_draft_provider_per_role(fake_ort, llama_gpu_bundle, target, draft):
         assert session_provider(by_file[name]) == draft
     assert (engine.provider, engine.draft_provider) == (target, draft)
     assert engine.provider_line() == (
-        f"provider: {target} (requested; available: {CUDA}, {DML}, {CPU}); "
-        f"draft provider: {draft} (requested; available: {CUDA}, {DML}, {CPU})"
+        f"provider: {target} (requested; available: {CUDA}, {DML}, {CPU}, {COREML}); "
+        f"draft provider: {draft} (requested; available: {CUDA}, {DML}, {CPU}, {COREML})"
     )
 
 
@@ -190,8 +192,13 @@ def test_cuda_device_id(fake_ort, llama_gpu_bundle):
         assert session.kwargs == {"enable_fallback": 0}  # ORT's own silent retry is off
 
 
-def test_directml_session_options(fake_ort, llama_gpu_bundle):
+def test_directml_session_options(fake_ort, llama_gpu_bundle, monkeypatch):
+    import runtime.loader as loader_module
+    from edge_spec.placement import PlacementReport
+
     fake = fake_ort(DML, CPU)
+    # Options only: the kernel facts refuse these fused graphs on DirectML (tests/test_device_profiles.py).
+    monkeypatch.setattr(loader_module, "check_bundle", lambda *a, **k: PlacementReport("dml", ""))
     _engine(llama_gpu_bundle, provider="dml", device_id=2, drafter="none")
     assert fake.created
     for session in fake.created:
