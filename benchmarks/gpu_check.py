@@ -5,15 +5,19 @@
 
 Needs onnxruntime-gpu (the `cuda` extra) in place of onnxruntime, and, unless --bundle and
 --reference are given, the `export` extra and the model files. Steps, each recorded in DIR/gpu_check.json
-(a failed step stops the run and is recorded with its error):
+(a failed step stops the run, is recorded with its error, and the command exits 1):
  1. export the pair with --device cuda (skipped with --bundle) and a float32 --device cpu target
     as the reference (skipped with --reference);
- 2. the static placement check for cuda;
+ 2. the static placement check for cuda (kernel tables and kernel facts);
  3. load on CUDAExecutionProvider with ONNX Runtime profiling and CPU fallback disabled, run
-    passes, and read from the profile which provider ran every node (all must be CUDA);
- 4. top-1 agreement of the CUDA float16 logits with the float32 CPU bundle's, every position;
- 5. greedy speculative = greedy plain, per drafter;
- 6. `bench --micro` (the verify-cost curve T = 1..16) and `bench` plain/model/lookup/auto.
+    passes with the bundle's own drafter, and read from the profile which provider ran every
+    node: all must be CUDA, and no Memcpy node may sit in a graph (ONNX Runtime runs its copies
+    on the CUDA EP, but they are data crossing the bus, not work on the GPU);
+ 4. top-1 agreement of the CUDA float16 logits with the float32 CPU bundle's, every position, at
+    least --min-top1 (default per --quant, TOP1_FLOOR), both in one pass and with the prompt
+    split in two passes (the second one reads the first's cache);
+ 5. greedy speculative = greedy plain, for every drafter the bundle has, on every prompt;
+ 6. `bench --micro` (the verify-cost curve T = 1..16) and `bench` plain and each drafter.
 """
 
 from __future__ import annotations
@@ -27,6 +31,12 @@ from pathlib import Path
 import numpy as np
 
 RAW_PROMPTS = ("def quicksort(items):\n", "The history of the printing press")
+# The floor on top-1 agreement with the float32 CPU reference, per --quant: on the CPU the Qwen
+# pair's target measured 98.7% at int8 and 91.1% at int4 (README, Precision); float16
+# activations may cost a point or two more, a wrong kernel costs tens.
+TOP1_FLOOR = {"fp16": 0.97, "int8": 0.93, "int4": 0.85}
+# The copies ONNX Runtime inserts between providers; the CUDA EP runs them itself.
+MEMCPY_OPS = ("MemcpyFromHost", "MemcpyToHost")
 
 
 def _step(record: dict, name: str, action):
@@ -50,13 +60,30 @@ def _export(model: str, out: Path, *args: str) -> dict:
 
 
 def node_providers(profile_file: str) -> dict[str, int]:
-    """Node events per execution provider in an ONNX Runtime profile (its JSON trace)."""
+    """Node events per execution provider in an ONNX Runtime profile (its JSON trace); the
+    copies between providers (MEMCPY_OPS) are counted apart, as "Memcpy", whichever EP ran them."""
     counts: dict[str, int] = {}
     for event in json.loads(Path(profile_file).read_text()):
-        if event.get("cat") == "Node" and "provider" in event.get("args", {}):
-            provider = event["args"]["provider"]
+        args = event.get("args", {})
+        if event.get("cat") == "Node" and "provider" in args:
+            provider = "Memcpy" if args.get("op_name") in MEMCPY_OPS else args["provider"]
             counts[provider] = counts.get(provider, 0) + 1
     return counts
+
+
+def check_profiled_placement(counts: dict[str, dict[str, int]], expected: str) -> None:
+    """Every stage profiled some node events, all on `expected`, none of them a copy."""
+    elsewhere = {key: {p: n for p, n in c.items() if p != expected} for key, c in counts.items()}
+    elsewhere = {key: c for key, c in elsewhere.items() if c}
+    if elsewhere or not counts or not all(counts.values()):
+        raise AssertionError(f"nodes ran outside {expected} or were copies (or none were profiled): {elsewhere or counts}")
+
+
+def bundle_drafters(manifest) -> tuple[str, ...]:
+    """The drafters a bundle can run: those of its model roles, then the model-free ones."""
+    from benchmarks.bench.run import ROLE_DRAFTERS
+
+    return tuple(drafter for role, drafter in ROLE_DRAFTERS.items() if role in manifest.models) + ("lookup", "auto")
 
 
 def _placement_by_profile(bundle: Path, prompt_ids: list[int], out: Path, provider: str) -> dict:
@@ -64,34 +91,45 @@ def _placement_by_profile(bundle: Path, prompt_ids: list[int], out: Path, provid
     from runtime.sessions import PROVIDERS
 
     expected = PROVIDERS[provider].ort_name
-    engine = Engine(bundle, EngineConfig(provider=provider, drafter="model", gamma=4, calibrate=False, profile_prefix=str(out / "ort-profile")))
-    engine.generate(prompt_ids, GenerateConfig(max_new_tokens=8))
+    engine = Engine(bundle, EngineConfig(provider=provider, drafter="none", calibrate=False, profile_prefix=str(out / "ort-profile")))
+    # The bundle's model drafters, so every graph it has (target, draft model) is profiled.
+    for drafter in [d for d in bundle_drafters(engine.bundle.manifest) if d not in ("lookup", "auto")] or ["none"]:
+        engine.use_drafter(drafter, gamma=4 if drafter != "none" else None)
+        engine.generate(prompt_ids, GenerateConfig(max_new_tokens=8))
     counts = {}
     for key, session in engine._sessions.items():
         counts[key] = node_providers(session.end_profiling())
-    elsewhere = {key: {p: n for p, n in c.items() if p != expected} for key, c in counts.items()}
-    elsewhere = {key: c for key, c in elsewhere.items() if c}
-    if elsewhere or not all(counts.values()):
-        raise AssertionError(f"nodes ran outside {expected} (or none were profiled): {elsewhere or counts}")
+    check_profiled_placement(counts, expected)
     kv_on = {role: str(cache.device) for role, cache in engine._caches.items()}
     return {"node_events_per_stage": counts, "kv_device": kv_on}
 
 
-def _agreement(bundle: Path, reference: Path, prompts: list[list[int]], provider: str) -> dict:
+def _agreement(bundle: Path, reference: Path, prompts: list[list[int]], provider: str, floor: float) -> dict:
+    """Top-1 agreement with the reference over every position, the prompt in one pass and in two
+    (the second pass reads the first's cache: what a verify pass or a prefill chunk does)."""
     from runtime.engine import Engine, EngineConfig
 
     got = Engine(bundle, EngineConfig(provider=provider, drafter="none", calibrate=False))
     ref = Engine(reference, EngineConfig(provider="cpu", drafter="none", calibrate=False))
-    agree = total = 0
+    agree = agree_cached = total = 0
     worst = 0.0
     for ids in prompts:
         got.target.cache.reset()
         ref.target.cache.reset()
         a, b = got.target.forward(ids), ref.target.forward(ids)
+        got.target.cache.reset()
+        half = max(1, len(ids) // 2)
+        split = np.concatenate([got.target.forward(ids[:half]), got.target.forward(ids[half:])])
         agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        agree_cached += int((split.argmax(-1) == b.argmax(-1)).sum())
         total += len(ids)
         worst = max(worst, float(np.abs(a - b).max()))
-    return {"top1_agreement": agree / total, "positions": total, "max_abs_diff": worst}
+    result = {"top1_agreement": agree / total, "top1_agreement_two_passes": agree_cached / total, "floor": floor,
+              "positions": total, "max_abs_diff": worst}
+    low = {k: round(v, 4) for k, v in result.items() if k.startswith("top1") and v < floor}
+    if low:
+        raise AssertionError(f"top-1 agreement with the float32 CPU reference below the floor {floor}: {low}")
+    return result
 
 
 def _greedy_identity(bundle: Path, prompts: list[list[int]], max_new_tokens: int, provider: str) -> dict:
@@ -100,9 +138,7 @@ def _greedy_identity(bundle: Path, prompts: list[list[int]], max_new_tokens: int
     engine = Engine(bundle, EngineConfig(provider=provider, drafter="none", calibrate=False))
     config = GenerateConfig(max_new_tokens=max_new_tokens)
     rows = {}
-    for drafter in ("model", "layer-skip", "lookup", "auto"):
-        if drafter == "layer-skip" and "layer_skip" not in engine.bundle.manifest.models:
-            continue
+    for drafter in bundle_drafters(engine.bundle.manifest):
         same = 0
         for ids in prompts:
             engine.use_drafter("none")
@@ -110,10 +146,14 @@ def _greedy_identity(bundle: Path, prompts: list[list[int]], max_new_tokens: int
             engine.use_drafter(drafter, gamma=3)
             same += engine.generate(ids, config).token_ids == plain
         rows[drafter] = {"identical": same, "prompts": len(prompts)}
+    differ = {d: r for d, r in rows.items() if r["identical"] != r["prompts"]}
+    if differ:
+        raise AssertionError(f"greedy speculative differs from greedy plain: {differ}")
     return rows
 
 
-def run(out: Path, model: str, bundle: Path | None, reference: Path | None, quant: str, n_prompts: int, max_new_tokens: int, provider: str = "cuda") -> dict:
+def run(out: Path, model: str, bundle: Path | None, reference: Path | None, quant: str, n_prompts: int, max_new_tokens: int, provider: str = "cuda",
+        min_top1: float | None = None) -> dict:
     import onnxruntime as ort
 
     from edge_spec.manifest import load_manifest
@@ -144,10 +184,12 @@ def run(out: Path, model: str, bundle: Path | None, reference: Path | None, quan
         prompts += [tokenizer_engine.encode(messages=list(p.messages)) for p in load_prompts(f"humaneval:{n_prompts}")]
         del tokenizer_engine
         _step(record, "profiled_placement", lambda: _placement_by_profile(bundle, prompts[-1], out, provider))
-        _step(record, "logits_vs_fp32_cpu", lambda: _agreement(bundle, reference, prompts, provider))
+        floor = TOP1_FLOOR[quant] if min_top1 is None else min_top1
+        _step(record, "logits_vs_fp32_cpu", lambda: _agreement(bundle, reference, prompts, provider, floor))
         _step(record, "greedy_identity", lambda: _greedy_identity(bundle, prompts[2:], max_new_tokens, provider))
         _step(record, "micro", lambda: run_micro(bundle, MicroConfig(provider=provider)))
-        bench_config = BenchConfig(modes=("plain", "model", "lookup", "auto"), max_new_tokens=max_new_tokens, provider=provider)
+        drafters = bundle_drafters(load_manifest(bundle, check_hashes=False))
+        bench_config = BenchConfig(modes=("plain", *drafters), max_new_tokens=max_new_tokens, provider=provider)
         _step(record, "bench", lambda: run_bench(bundle, load_prompts(f"humaneval:{n_prompts}"), bench_config)["summary"])
         record["passed"] = True
     except Exception as exc:
@@ -156,6 +198,18 @@ def run(out: Path, model: str, bundle: Path | None, reference: Path | None, quan
     record["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     path.write_text(json.dumps(record, indent=2, default=str))
     return record
+
+
+def _fraction(text: str) -> float:
+    import argparse
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a fraction from 0 to 1, got {text!r}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,10 +223,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quant", default="int4", choices=("int4", "int8", "fp16"))
     parser.add_argument("--prompts", type=int, default=5, help="HumanEval prompts for agreement, identity and bench")
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--min-top1", type=_fraction, help="the floor on top-1 agreement with the reference "
+                        f"(default per --quant: {', '.join(f'{q} {v}' for q, v in TOP1_FLOOR.items())})")
     parser.add_argument("--provider", default="cuda", choices=("cuda", "cpu"),
                         help="cpu: the same steps on the CPU provider, to try the script where no GPU is at hand")
     args = parser.parse_args(argv)
-    record = run(args.out, args.model, args.bundle, args.reference, args.quant, args.prompts, args.max_new_tokens, args.provider)
+    record = run(args.out, args.model, args.bundle, args.reference, args.quant, args.prompts, args.max_new_tokens, args.provider, args.min_top1)
     print(json.dumps({k: v for k, v in record.items() if not isinstance(v, dict) or "error" in v}, default=str))
     return 0 if record["passed"] else 1
 

@@ -480,23 +480,110 @@ def test_float16_kv_as_device_ortvalues_match_host(cuda_bundles, hf_models):
 # -- the GPU check script, dry run on the CPU provider -------------------------------------------
 
 
-def test_gpu_check_runs_every_step_on_the_cpu_provider(tiny_models, tmp_path):
+@pytest.fixture(scope="module")
+def gpu_check_bundles(tmp_path_factory, tiny_models) -> tuple:
+    """A --device cuda fp16 bundle (draft model and layer-skip) and its float32 reference."""
+    root = tmp_path_factory.mktemp("gpu_check")
+    bundle, reference = root / "cuda", root / "reference"
+    tiny.export(tiny_models.llama, bundle, quant="fp16", drafts=(str(tiny_models.draft), "layer-skip:2"), max_context=512, device="cuda")
+    tiny.export(tiny_models.llama, reference, quant="fp32", max_context=512)
+    return bundle, reference
+
+
+def _rewritten(bundle, out, rewrite):
+    """A copy of `bundle` whose target graphs went through rewrite(model), hashes updated."""
+    from edge_spec.manifest import sha256_file
+
+    shutil.copytree(bundle, out)
+    data = json.loads((out / "manifest.json").read_text())
+    manifest = load_manifest(out, check_hashes=False)
+    for key in manifest.target.stages:
+        path = out / manifest.stages[key].file
+        model = onnx.load(str(path), load_external_data=False)
+        rewrite(model)
+        onnx.save(model, str(path))
+        data["files"][path.name] = sha256_file(path)
+    (out / "manifest.json").write_text(json.dumps(data))
+    return out
+
+
+def test_gpu_check_runs_every_step_on_the_cpu_provider(gpu_check_bundles, tmp_path):
     """benchmarks/gpu_check.py with --provider cpu: export skipped (bundles given), placement
     read from ONNX Runtime's own profile, agreement, identity, micro and bench, one JSON."""
     import real
     from benchmarks.gpu_check import run
 
     real.need(real.HUMANEVAL)
-    bundle, reference = tmp_path / "cuda", tmp_path / "reference"
-    tiny.export(tiny_models.llama, bundle, quant="fp16", drafts=(str(tiny_models.draft), "layer-skip:2"), max_context=512, device="cuda")
-    tiny.export(tiny_models.llama, reference, quant="fp32", max_context=512)
+    bundle, reference = gpu_check_bundles
     record = run(tmp_path / "out", "unused", bundle, reference, "fp16", 1, 8, provider="cpu")
     assert record["passed"], record.get("error")
     placement = record["profiled_placement"]["node_events_per_stage"]
     assert placement and all(set(c) == {"CPUExecutionProvider"} and sum(c.values()) > 0 for c in placement.values())
-    assert record["logits_vs_fp32_cpu"]["top1_agreement"] >= 0.9
+    assert {k.split(".")[0] for k in placement} == {"target", "draft"}  # the draft model's graphs ran too
+    agreement = record["logits_vs_fp32_cpu"]
+    assert agreement["top1_agreement"] >= agreement["floor"] == 0.97 and agreement["top1_agreement_two_passes"] >= 0.97
+    assert set(record["greedy_identity"]) == {"model", "layer-skip", "lookup", "auto"}
     assert all(row["identical"] == row["prompts"] for row in record["greedy_identity"].values())
     assert json.loads((tmp_path / "out" / "gpu_check.json").read_text())["passed"]
+
+
+def test_gpu_check_fails_on_a_bundle_that_computes_something_else(gpu_check_bundles, tmp_path):
+    """The same bundle with rotary left out of its attention (what DirectML's kernel would do):
+    every step but agreement passes, and the check exits 1 on it."""
+    import real
+    from benchmarks.gpu_check import main
+    from test_provider_emulation import ignore_rotary
+
+    real.need(real.HUMANEVAL)
+    bundle, reference = gpu_check_bundles
+    wrong = _rewritten(bundle, tmp_path / "wrong", ignore_rotary)
+    args = ["--out", str(tmp_path / "out"), "--bundle", str(wrong), "--reference", str(reference), "--quant", "fp16", "--prompts", "1",
+            "--max-new-tokens", "8", "--provider", "cpu"]
+    assert main(args) == 1
+    record = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert not record["passed"] and "top-1 agreement with the float32 CPU reference below the floor 0.97" in record["error"]
+    assert "profiled_placement" in record and "greedy_identity" not in record
+
+
+def test_gpu_check_fails_when_speculation_is_not_exact(gpu_check_bundles, tmp_path, monkeypatch):
+    """Passes of more than one token that forget the cache (DirectML's GroupQueryAttention,
+    emulated): with the agreement floor out of the way, greedy identity fails the check."""
+    import real
+    from benchmarks.gpu_check import run
+    from test_provider_emulation import emulate_past_length_zero
+
+    real.need(real.HUMANEVAL)
+    bundle, reference = gpu_check_bundles
+    emulate_past_length_zero(monkeypatch)
+    record = run(tmp_path / "out", "unused", bundle, reference, "fp16", 1, 8, provider="cpu", min_top1=0.0)
+    assert not record["passed"] and "greedy speculative differs from greedy plain" in record["error"]
+    assert record["logits_vs_fp32_cpu"]["top1_agreement_two_passes"] < record["logits_vs_fp32_cpu"]["top1_agreement"]
+
+
+def test_gpu_check_takes_the_drafters_the_bundle_has(cuda_bundles):
+    """A bundle without a draft model (SmolLM2 with layer-skip, say) is checked with what it has."""
+    from benchmarks.gpu_check import bundle_drafters
+
+    assert bundle_drafters(load_manifest(cuda_bundles["qwen2-int4"])) == ("layer-skip", "lookup", "auto")
+    assert bundle_drafters(load_manifest(cuda_bundles["llama-fp16"])) == ("model", "layer-skip", "lookup", "auto")
+
+
+def test_memcpy_nodes_do_not_count_as_running_on_the_gpu(tmp_path):
+    """ONNX Runtime runs its copies between providers on the CUDA EP: counted apart, they fail the check."""
+    from benchmarks.gpu_check import check_profiled_placement, node_providers
+
+    cuda = "CUDAExecutionProvider"
+    events = [{"cat": "Node", "name": f"n{i}_kernel_time", "args": {"op_name": op, "provider": cuda}}
+              for i, op in enumerate(("MatMulNBits", "MemcpyToHost", "GroupQueryAttention", "MemcpyFromHost"))]
+    events.append({"cat": "Session", "name": "model_run", "args": {}})
+    (tmp_path / "profile.json").write_text(json.dumps(events))
+    counts = node_providers(str(tmp_path / "profile.json"))
+    assert counts == {cuda: 2, "Memcpy": 2}
+    with pytest.raises(AssertionError, match="'Memcpy': 2"):
+        check_profiled_placement({"target": counts}, cuda)
+    check_profiled_placement({"target": {cuda: 2}}, cuda)
+    with pytest.raises(AssertionError, match="none were profiled"):
+        check_profiled_placement({"target": {}}, cuda)
 
 
 def test_gpu_check_fails_without_the_provider(tmp_path):
