@@ -7,7 +7,10 @@ best place for a small draft is not always the target's.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import re
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
@@ -60,6 +63,17 @@ COREML_COMPUTE_UNITS = ("ALL", "CPUAndNeuralEngine", "CPUAndGPU", "CPUOnly")
 NO_CPU_FALLBACK = ("cuda", "dml")
 # Distributions that install the `onnxruntime` module; only one may be installed at a time.
 ORT_DISTRIBUTIONS = ("onnxruntime", "onnxruntime-gpu", "onnxruntime-directml", "onnxruntime-openvino", "onnxruntime-qnn")
+# What brings a provider's shared libraries, for the line naming the one that failed to load.
+LIBRARY_HINT = {
+    "cuda": 'onnxruntime-gpu 1.31.1 loads the CUDA 13 and cuDNN 9 libraries: pip install "edge-spec[cuda]" brings them '
+            "(its cuda and cudnn extras), or put them on the library path",
+}
+# A shared library the loader could not open, in ONNX Runtime's message or preload_dlls' report.
+_MISSING_LIBRARY = (
+    re.compile(r"([\w.+-]+\.so[.\d]*): cannot open shared object file"),
+    re.compile(r"Failed to load (?:\S*[/\\])?([\w.+-]+\.(?:so[.\d]*|dll))"),
+)
+_PRELOADED: dict[str, str] = {}  # provider -> the first library its preload could not load ("" if none)
 
 
 class ProviderError(Exception):
@@ -202,12 +216,52 @@ def session_options(provider: str, config: SessionConfig) -> ort.SessionOptions:
     return options
 
 
+def missing_library(text: str) -> str:
+    """The first shared library `text` says could not be loaded, or ""."""
+    for pattern in _MISSING_LIBRARY:
+        found = pattern.search(text)
+        if found:
+            return found.group(1)
+    return ""
+
+
+def preload_libraries(provider: str) -> str:
+    """Before the first CUDA session, load the CUDA and cuDNN libraries from the nvidia-* wheels
+    (onnxruntime-gpu's cuda and cudnn extras) or a compatible torch: onnxruntime's own
+    preload_dlls(), where the build has it (NVIDIA's Jetson builds rely on the system's). It
+    reports failures with print(), kept off stdout (generate --json writes there) and returned:
+    the first library it could not load, or ""."""
+    if provider != "cuda" or not hasattr(ort, "preload_dlls"):
+        return ""
+    if provider not in _PRELOADED:
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            try:
+                ort.preload_dlls()
+            except Exception as exc:  # a broken nvidia-* install: name it when the provider fails
+                print(f"preload_dlls: {exc}")
+        _PRELOADED[provider] = missing_library(printed.getvalue())
+    return _PRELOADED[provider]
+
+
+def _start_failure(provider: str, exc: BaseException) -> str:
+    """Why an execution provider did not start, in one line, naming the shared library it could
+    not load where ONNX Runtime's message or the CUDA preload names one."""
+    ort_name = PROVIDERS[provider].ort_name
+    library = missing_library(str(exc)) or _PRELOADED.get(provider, "")
+    if library:
+        hint = f" ({LIBRARY_HINT[provider]})" if provider in LIBRARY_HINT else ""
+        return f"{ort_name} failed to start: cannot load {library}{hint}"
+    return f"{ort_name} failed to start ({_first_line(exc)})"
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _create(path, provider: str, config: SessionConfig) -> ort.InferenceSession:
+    preload_libraries(provider)
     providers, options = [PROVIDERS[provider].ort_name], [provider_options(provider, config)]
     # Core ML hands what it cannot take to the CPU by design; on GPUs the CPU EP must not be
     # listed at all: ORT refuses disable_cpu_ep_fallback beside an explicit CPU EP.
@@ -235,7 +289,7 @@ def open_session(path, provider: str, config: SessionConfig) -> tuple[ort.Infere
     except Exception as exc:  # ORT raises its own pybind types; name the file and the cause
         if provider == "cpu":
             raise BundleError(f"ONNX Runtime cannot load {path}: {_first_line(exc)}") from None
-        reason = f"{PROVIDERS[provider].ort_name} failed to start ({_first_line(exc)})"
+        reason = _start_failure(provider, exc)
         try:  # if the CPU loads the file, the provider failed, not the bundle
             session = _create(path, "cpu", config)
         except Exception as cpu_exc:

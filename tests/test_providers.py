@@ -347,3 +347,75 @@ def test_kv_lives_on_the_gpu_only_for_fused_cuda_stages(fake_ort, llama_bundle):
     assert kv_device(stages, unbindable) is None
     portable = [dataclasses.replace(s, attention="portable") for s in stages]
     assert kv_device(portable, on_cuda) is None
+
+
+# -- CUDA's libraries: preloaded, and named when one is missing ----------------------------------
+
+
+@pytest.fixture
+def preload(monkeypatch):
+    """Record calls to onnxruntime.preload_dlls (printing what it prints when set), fresh per test."""
+    calls = []
+
+    def fake_preload(printed: str = ""):
+        def preload_dlls(*args, **kwargs):
+            calls.append((args, kwargs))
+            print(printed, end="")
+        monkeypatch.setattr(sessions.ort, "preload_dlls", preload_dlls, raising=False)
+        return calls
+
+    monkeypatch.setattr(sessions, "_PRELOADED", {})
+    return fake_preload
+
+
+def test_cuda_preloads_its_libraries_once_and_only_for_cuda(fake_ort, preload, llama_gpu_bundle, llama_bundle, capsys):
+    calls = preload("Failed to load /site/nvidia/cu13/lib/libcufft.so.12: not found\n")
+    fake_ort(CUDA, CPU)
+    _engine(llama_bundle, provider="cpu", drafter="none")
+    assert calls == []
+    _engine(llama_gpu_bundle, provider="cuda", drafter="model")
+    assert len(calls) == 1  # once per process, before the first CUDA session
+    assert capsys.readouterr().out == ""  # its report stays off stdout
+
+
+def test_no_preload_where_the_build_has_none(fake_ort, preload, llama_gpu_bundle, monkeypatch):
+    """NVIDIA's Jetson builds and older onnxruntime have no preload_dlls."""
+    preload()
+    monkeypatch.delattr(sessions.ort, "preload_dlls")
+    fake_ort(CUDA, CPU)
+    assert _engine(llama_gpu_bundle, provider="cuda", drafter="none").provider == "cuda"
+
+
+@pytest.mark.parametrize("error, printed, library", [
+    ("[ONNXRuntimeError] : 1 : FAIL : Failed to load library libonnxruntime_providers_cuda.so with error: "
+     "libcublasLt.so.13: cannot open shared object file: No such file or directory\nmore", "", "libcublasLt.so.13"),
+    ('LoadLibrary failed with error 126 "" when trying to load "C:\\ort\\onnxruntime_providers_cuda.dll"',
+     "Failed to load cudnn64_9.dll: [WinError 126] The specified module could not be found\n", "cudnn64_9.dll"),
+])
+def test_a_provider_that_fails_to_start_names_the_missing_library(fake_ort, preload, llama_gpu_bundle, monkeypatch, error, printed, library):
+    """From ONNX Runtime's own message (Linux) or, where that names only the provider library
+    (Windows), from what preload_dlls could not load; in one line, with what brings it."""
+    preload(printed)
+    fake = fake_ort(CUDA, CPU)
+
+    class Failing(fake):
+        def __init__(self, path, sess_options=None, providers=None, provider_options=None, **kwargs):
+            if CUDA in providers:
+                raise RuntimeError(error)
+            super().__init__(path, sess_options, providers, provider_options, **kwargs)
+
+    monkeypatch.setattr(sessions.ort, "InferenceSession", Failing)
+    with pytest.raises(sessions.ProviderError) as raised:
+        _engine(llama_gpu_bundle, provider="cuda", drafter="none")
+    message = str(raised.value)
+    assert "\n" not in message
+    assert f"{CUDA} failed to start: cannot load {library} (" in message and 'pip install "edge-spec[cuda]"' in message
+
+
+def test_cuda_extra_brings_the_cuda_and_cudnn_libraries():
+    """onnxruntime-gpu 1.31.1 declares its CUDA 13 libraries under its `cuda` extra and cuDNN 9
+    under `cudnn` (its METADATA); the cuda extra asks for both."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["cuda"] == ["onnxruntime-gpu[cuda,cudnn]==1.31.1"]
