@@ -36,11 +36,20 @@ _GPU_WHY = {
     "portable": "GPU graphs write the KV cache in place with GroupQueryAttention (fused); portable graphs would copy rows through the host",
 }
 
+_DML_WHY = {
+    "fp32": _GPU_WHY["fp32"],
+    "fused": "DirectML's GroupQueryAttention skips rotary and ignores the cache in passes of more than one token "
+    "(edge_spec/kernels/semantics.json); --device dml writes masked graphs",
+    "portable": "--device dml writes masked graphs (positions and mask from the runtime, no integer index arithmetic on the GPU)",
+}
+
 PROFILES = {
     "cpu": DeviceProfile("cpu", "cpu", "float32", "float32", ("fused", "portable"), ("int4", "int8", "fp16", "fp32"), {}),
     "cuda": DeviceProfile("cuda", "cuda", "float16", "float16", ("fused",), ("int4", "int8", "fp16"), _GPU_WHY),
-    # DirectML registers no GatherBlockQuantized: the embedding table stays float16 there.
-    "dml": DeviceProfile("dml", "dml", "float16", "float16", ("fused",), ("int4", "int8", "fp16"), _GPU_WHY, quantized_embedding=False),
+    # DirectML registers no GatherBlockQuantized: the embedding table stays float16 there. Its
+    # GroupQueryAttention computes something else (see _DML_WHY): masked attention, rotary in the
+    # graph, the KV rows copied in by the runtime.
+    "dml": DeviceProfile("dml", "dml", "float16", "float16", ("masked",), ("int4", "int8", "fp16"), _DML_WHY, quantized_embedding=False),
     "coreml": DeviceProfile(
         "coreml", "coreml", "float32", "float32", ("masked",), ("fp16", "fp32"),
         {
@@ -59,7 +68,7 @@ DEVICES = tuple(PROFILES)
 def load_verdict(device: str, provider: str) -> str | None:
     """A warning when a bundle exported for `device` would run on `provider`, but slowly (a
     provider with no kernel for some node is refused by the placement check, not here)."""
-    if device == provider or (device in ("cuda", "dml") and provider in ("cuda", "dml")):
+    if device == provider:
         return None
     if provider == "cpu":
         if device in ("cuda", "dml"):

@@ -49,6 +49,11 @@ class ModelRunner:
             list(stage.outputs) if hasattr(session, "io_binding") else names.stage_outputs(stage.head, stage.layers, "portable")
             for stage, session in zip(stages, sessions)
         ]
+        # float16 masked graphs (--device dml) take the mask in float16, MASKED clamped to its range.
+        self._float16_bias = [
+            any(i.name == names.ATTENTION_BIAS and i.type == "tensor(float16)" for i in session.get_inputs()) if hasattr(session, "get_inputs") else False
+            for session in sessions
+        ]
 
     def _bind_in_place(self, stage: StageInfo, session):
         """A fused stage reads and writes the KV buffers in place: bind each past_* input and its
@@ -71,6 +76,8 @@ class ModelRunner:
         stage = self.stages[index]
         binding = self._bindings[index]
         positions = names.position_feeds(self._input_names[index], start, x.shape[1], self.cache.max_context)
+        if self._float16_bias[index]:
+            positions[names.ATTENTION_BIAS] = np.maximum(positions[names.ATTENTION_BIAS], np.finfo(np.float16).min).astype(np.float16)
         if binding is not None:
             binding.bind_cpu_input(stage.inputs[0], np.ascontiguousarray(x))
             for name, value in positions.items():

@@ -47,6 +47,23 @@ def dml_bundle(tmp_path_factory, tiny_models):
 
 
 @pytest.fixture(scope="module")
+def dml_fp16_bundle(tmp_path_factory, tiny_models):
+    out = tmp_path_factory.mktemp("dml_bundle") / "qwen2-fp16-dml"
+    tiny.export(tiny_models.qwen2, out, quant="fp16", drafts=("layer-skip:1",), attention=None, device="dml")
+    return out
+
+
+@pytest.fixture(scope="module")
+def old_dml_bundle(tmp_path_factory, tiny_models):
+    """The --device dml graphs as the profile wrote them before the kernel facts: fused
+    GroupQueryAttention (rotary inside) and 3-input MatMulNBits."""
+    out = tmp_path_factory.mktemp("dml_bundle") / "qwen2-int4-dml-fused"
+    with tiny.old_dml_profile():
+        tiny.export(tiny_models.qwen2, out, quant="int4", drafts=("layer-skip:1",), attention=None, device="dml")
+    return out
+
+
+@pytest.fixture(scope="module")
 def coreml_bundle(tmp_path_factory, tiny_models):
     out = tmp_path_factory.mktemp("coreml_bundle") / "llama-coreml"
     tiny.export(tiny_models.llama, out, quant="fp32", drafts=("layer-skip:2",), attention=None, device="coreml")
@@ -134,31 +151,73 @@ def test_cuda_bundles_place_on_cuda(cuda_bundles):
         assert report.ok, (name, report.summary())
 
 
-def test_directml_takes_the_float16_graphs_but_not_a_quantized_embedding(cuda_bundles, dml_bundle):
+def test_directml_takes_the_float16_graphs_but_not_a_quantized_embedding(cuda_bundles, old_dml_bundle):
     """DirectML registers no GatherBlockQuantized, so --device dml keeps the embedding float16
-    (the MatMuls stay MatMulNBits): every node has a DirectML kernel by type, and the bundle places
-    on CUDA too; a --device cuda int4 bundle misses that one op on DirectML. Having a kernel is not
-    computing the graph: the kernel facts name what DirectML's kernels would get wrong."""
+    (the MatMuls stay MatMulNBits): every node of the old fused dml graphs has a DirectML kernel by
+    type, and they place on CUDA too; a --device cuda int4 bundle misses that one op on DirectML.
+    Having a kernel is not computing the graph: the kernel facts name what DirectML's kernels
+    would get wrong."""
     for name in ("qwen2-fp16", "llama-fp16"):
         report = check_bundle(load_manifest(cuda_bundles[name]), cuda_bundles[name], "dml")
         assert not report.misses and list(report.facts_by_op()) == ["com.microsoft::GroupQueryAttention"], name
     report = check_bundle(load_manifest(cuda_bundles["qwen2-int4"]), cuda_bundles["qwen2-int4"], "dml")
     assert list(report.by_op()) == ["com.microsoft::GatherBlockQuantized"]
-    manifest = load_manifest(dml_bundle)
+    manifest = load_manifest(old_dml_bundle)
     assert manifest.device == "dml"
-    assert check_bundle(manifest, dml_bundle, "cuda").ok
-    report = check_bundle(manifest, dml_bundle, "dml")
+    assert check_bundle(manifest, old_dml_bundle, "cuda").ok
+    report = check_bundle(manifest, old_dml_bundle, "dml")
     assert not report.misses and not report.ok
     assert set(report.facts_by_op()) == {"com.microsoft::GroupQueryAttention", "com.microsoft::MatMulNBits"}
-    ops = {n.op_type for key in manifest.target.stages for n in onnx.load(str(dml_bundle / manifest.stages[key].file), load_external_data=False).graph.node}
+    ops = {n.op_type for key in manifest.target.stages for n in onnx.load(str(old_dml_bundle / manifest.stages[key].file), load_external_data=False).graph.node}
     assert "MatMulNBits" in ops and "GatherBlockQuantized" not in ops
 
 
-def test_dml_profile_runs_on_the_cpu_provider(dml_bundle, cuda_bundles, hf_models):
+def test_dml_profile_writes_graphs_directml_computes_as_meant(dml_bundle, dml_fp16_bundle, hf_models):
+    """--device dml: masked attention (rotary in the graph, positions and mask from the runtime, no
+    GroupQueryAttention): fp16 passes every kernel fact; int4 fails only on MatMulNBits' zero point,
+    which the exporter's 3-input symmetric nodes lack."""
+    proc = _run("runtime", "check", dml_fp16_bundle, "--provider", "dml")
+    assert proc.returncode == 0, proc.stdout
+    report = check_bundle(load_manifest(dml_bundle), dml_bundle, "dml")
+    assert not report.misses and list(report.facts_by_op()) == ["com.microsoft::MatMulNBits"]
+    for bundle in (dml_bundle, dml_fp16_bundle):
+        manifest = load_manifest(bundle)
+        assert {s.attention for s in manifest.stages.values()} == {"masked"} and manifest.target.arch.kv_dtype == "float16"
+        ops = {n.op_type for f in bundle.glob("*.onnx") for n in onnx.load(str(f), load_external_data=False).graph.node}
+        assert "GroupQueryAttention" not in ops and "GatherBlockQuantized" not in ops
+    model, tokenizer = hf_models["qwen2"]
+    ids = tokenizer(" ".join([tiny.PROMPT] * 2)).input_ids
+    reference = tiny.hf_logits(model, ids)
+    engine = _cpu_engine(dml_fp16_bundle)
+    logits = engine.target.forward(ids[:7])
+    logits = np.concatenate([logits, engine.target.forward(ids[7:])])  # a multi-token pass after a cache
+    assert (logits.argmax(-1) == reference.argmax(-1)).mean() >= 0.95
+    assert np.abs(logits - reference).max() < 0.02 * np.abs(reference).max()
+
+
+def test_dml_masked_windows_stay_finite_in_float16(tmp_path):
+    """Sliding-window layers (Qwen3's upper two here) mask by arithmetic on the positions, which
+    in a float16 graph stays finite only because the float16 converter clamps MASKED to 65504
+    (0 x -inf would be NaN). An 80-token prompt past the 12-token window, in two passes, matches
+    transformers."""
+    tok = tiny.make_tokenizer("a")
+    model_dir = tiny.make_family(tmp_path / "qwen3", tok, "qwen3")
+    tiny.export(model_dir, tmp_path / "b", quant="fp16", device="dml", max_context=128)
+    model, tokenizer = tiny.load_hf(model_dir)
+    ids = tokenizer(" ".join([tiny.PROMPT] * 8)).input_ids[:80]
+    reference = tiny.hf_logits(model, ids)
+    engine = _cpu_engine(tmp_path / "b")
+    logits = np.concatenate([engine.target.forward(ids[:30]), engine.target.forward(ids[30:])])
+    assert np.isfinite(logits).all()
+    assert (logits.argmax(-1) == reference.argmax(-1)).mean() >= 0.95
+
+
+def test_dml_profile_runs_on_the_cpu_provider(dml_bundle, dml_fp16_bundle, cuda_bundles, hf_models):
     ids = hf_models["qwen2"][1](tiny.PROMPT).input_ids
     config = GenerateConfig(max_new_tokens=16)
-    plain = _cpu_engine(dml_bundle).generate(ids, config).token_ids
-    assert _cpu_engine(dml_bundle, "layer-skip", 3).generate(ids, config).token_ids == plain
+    for bundle in (dml_bundle, dml_fp16_bundle):
+        plain = _cpu_engine(bundle).generate(ids, config).token_ids
+        assert _cpu_engine(bundle, "layer-skip", 3).generate(ids, config).token_ids == plain
 
 
 def test_coreml_bundle_places_on_coreml(coreml_bundle, bundles):
@@ -250,12 +309,12 @@ def wide_coreml_bundle(tmp_path_factory, tiny_models):
     return root / "bundle"
 
 
-def test_check_names_what_directmls_kernels_would_compute_wrong(dml_bundle):
-    """Today's --device dml bundle has a DirectML kernel for every node's types, but
+def test_check_names_what_directmls_kernels_would_compute_wrong(old_dml_bundle):
+    """The fused --device dml bundle (the profile before the kernel facts) has a DirectML kernel for every node's types, but
     GroupQueryAttention there skips rotary and forgets the cache for T > 1, and MatMulNBits
     dequantizes 3-input symmetric weights without their offset: runtime check exits 1 naming
     each, with the kernel source it was read from."""
-    proc = _run("runtime", "check", dml_bundle, "--provider", "dml")
+    proc = _run("runtime", "check", old_dml_bundle, "--provider", "dml")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     out = proc.stdout
     assert "have no dml kernel" not in out
@@ -263,11 +322,11 @@ def test_check_names_what_directmls_kernels_would_compute_wrong(dml_bundle):
     assert "past length of 0" in out and "more than one token" in out
     assert "zero-point input" in out and "offset 2^(bits-1)" in out and "(the node has 3 inputs)" in out
     assert "DmlOperatorGroupQueryAttention.cpp@076c3788a" in out and "DmlOperatorMatMulNBits.cpp@171d61606" in out
-    report = json.loads(_run("runtime", "check", dml_bundle, "--provider", "dml", "--json").stdout)
+    report = json.loads(_run("runtime", "check", old_dml_bundle, "--provider", "dml", "--json").stdout)
     assert not report["ok"] and not report["missing"]
     facts = report["kernel_facts"]
     attention = facts["com.microsoft::GroupQueryAttention"]
-    layers = sum(len(load_manifest(dml_bundle).stages[k].layers) for k in load_manifest(dml_bundle).target.stages)
+    layers = sum(len(load_manifest(old_dml_bundle).stages[k].layers) for k in load_manifest(old_dml_bundle).target.stages)
     assert len({f["node"] for f in attention}) == layers and len(attention) == 2 * layers  # rotary and past length, each layer
     assert all(len(f["source"]) > 10 for f in facts["com.microsoft::MatMulNBits"])
 
@@ -298,15 +357,15 @@ def test_cuda_gather_block_quantized_needs_onnxruntime_1_23(cuda_bundles):
     assert "not an onnxruntime version" in _error_line(_run("runtime", "check", bundle, "--provider", "cuda", "--onnxruntime", "latest"))
 
 
-def test_directml_refuses_the_bundle_its_kernels_would_compute_wrong(dml_bundle, monkeypatch):
-    """On DirectML (faked as available) the loader refuses today's dml bundle before any session."""
+def test_directml_refuses_the_bundle_its_kernels_would_compute_wrong(old_dml_bundle, monkeypatch):
+    """On DirectML (faked as available) the loader refuses the fused dml bundle before any session."""
     import runtime.loader as loader_module
     from runtime.sessions import ProviderChoice
 
     monkeypatch.setattr(loader_module, "resolve_provider", lambda name, allow: ProviderChoice("dml", "dml", ("DmlExecutionProvider",)))
     monkeypatch.setattr(loader_module, "open_session", lambda *a, **k: pytest.fail("a session was opened"))
     with pytest.raises(BundleError, match=r"cannot run on dml: .*would not run as the graph means.*do_rotary"):
-        Engine(dml_bundle, EngineConfig(provider="dml", drafter="none", calibrate=False))
+        Engine(old_dml_bundle, EngineConfig(provider="dml", drafter="none", calibrate=False))
 
 
 def test_kernel_facts_are_data_with_their_source():

@@ -151,13 +151,23 @@ def test_gqa_emulations_are_unrotated_attention_over_the_block_alone():
     assert not np.allclose(_run_node(node, faithful, inits, outs)[0], y, atol=1e-3)
 
 
-# -- the old --device dml graphs under each emulation: different tokens -----------------------------
+# -- the old --device dml graphs under each emulation: different tokens; today's: the same ----------
 
 
 @pytest.fixture(scope="module")
 def dml_bundle(tmp_path_factory, tiny_models):
+    """The old --device dml graphs: fused GroupQueryAttention with rotary inside, 3-input MatMulNBits."""
     out = tmp_path_factory.mktemp("emulated") / "qwen2-int4-dml"
-    tiny.export(tiny_models.qwen2, out, quant="int4", drafts=("layer-skip:1",), attention=None, device="dml")
+    with tiny.old_dml_profile():
+        tiny.export(tiny_models.qwen2, out, quant="int4", drafts=("layer-skip:1",), attention=None, device="dml")
+    return out
+
+
+@pytest.fixture(scope="module")
+def new_dml_bundle(tmp_path_factory, tiny_models):
+    """Today's --device dml graphs at fp16 (no MatMulNBits): masked attention, rotary in the graph."""
+    out = tmp_path_factory.mktemp("emulated") / "qwen2-fp16-dml"
+    tiny.export(tiny_models.qwen2, out, quant="fp16", drafts=("layer-skip:1",), attention=None, device="dml")
     return out
 
 
@@ -194,3 +204,14 @@ def test_past_length_zero_for_multi_token_passes_changes_the_tokens(dml_bundle, 
 def test_matmulnbits_without_its_offset_changes_the_tokens(dml_bundle, prompt, faithful, monkeypatch):
     emulate_graphs(monkeypatch, matmulnbits_without_offset)
     assert _tokens(dml_bundle, prompt) != faithful
+
+
+def test_todays_dml_graphs_give_the_same_tokens_under_directmls_attention(new_dml_bundle, prompt, monkeypatch):
+    """No GroupQueryAttention left for DirectML to get wrong: with both attention emulations in
+    place, plain and speculative greedy tokens are the faithful ones."""
+    plain = _tokens(new_dml_bundle, prompt)
+    assert _tokens(new_dml_bundle, prompt, "layer-skip", 3) == plain
+    emulate_graphs(monkeypatch, ignore_rotary)
+    emulate_past_length_zero(monkeypatch)
+    assert _tokens(new_dml_bundle, prompt) == plain
+    assert _tokens(new_dml_bundle, prompt, "layer-skip", 3) == plain

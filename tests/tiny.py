@@ -7,6 +7,8 @@ seeds) and small: hidden 64, 2-4 layers, a byte-level BPE vocabulary of a few hu
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import random
 from pathlib import Path
 
@@ -277,3 +279,17 @@ def export(model_folder: Path, out: Path, quant: str = "fp32", drafts: tuple[str
 
 
 PROMPT = "the quick brown fox jumps over the lazy dog and"
+
+
+@contextlib.contextmanager
+def old_dml_profile():
+    """--device dml as it was before the kernel facts: fused GroupQueryAttention graphs, to show
+    what the placement check and the emulations say of them."""
+    from edge_spec.profiles import PROFILES
+
+    saved = PROFILES["dml"]
+    PROFILES["dml"] = dataclasses.replace(saved, attentions=("fused",))
+    try:
+        yield
+    finally:
+        PROFILES["dml"] = saved
