@@ -1,5 +1,7 @@
 """python -m benchmarks precision MODEL BUNDLE... [--prompts N] [--out FILE.json]
 python -m benchmarks ab OLD_BUNDLE NEW_BUNDLE [--blocks 1,5] [--kv-len 512] [--repeats 40] [--out FILE.json]
+python -m benchmarks op_profile BUNDLE [--blocks 1,2,4,8] [--kv-len 512] [--repeats 20] [--threads N] [--out FILE.json]
+python -m benchmarks fidelity MODEL BUNDLE... [--text FILE] [--ctx 512] [--out FILE.json]
 python -m benchmarks spinning BUNDLE [--repeats 120] [--kv-len 512] [--out FILE.json]
 python -m benchmarks activations MODEL [--out FILE.json]
 python -m benchmarks greedy_stability BUNDLE... [--prompts SPEC] [--tokens N] [--modes M] [--out FILE.json]
@@ -61,6 +63,20 @@ def main() -> int:
     cost.add_argument("--tokens", type=int, default=128)
     cost.add_argument("--drafters", default="none,auto", help="comma-separated: none (plain), auto, model, lookup, layer-skip")
     cost.add_argument("--out", help="write the result as JSON here")
+    ops = sub.add_parser("op_profile", help="one pass's time by op and matrix, with bytes read and GB/s (ONNX Runtime's profile)")
+    ops.add_argument("bundle")
+    ops.add_argument("--blocks", default="1,2,4,8", help="target block lengths T, comma-separated")
+    ops.add_argument("--kv-len", type=int, default=512, help="rows already in the KV cache")
+    ops.add_argument("--repeats", type=int, default=20)
+    ops.add_argument("--threads", type=int, help="intra-op threads (default: the runtime's)")
+    ops.add_argument("--out", help="write the result as JSON here")
+    fidelity = sub.add_parser("fidelity", help="KL divergence and same-top-1 against transformers fp32 on a fixed text")
+    fidelity.add_argument("model", help="what the bundles were exported from (alias, folder, .gguf)")
+    fidelity.add_argument("bundles", nargs="+")
+    fidelity.add_argument("--text", type=Path, help="the text (default benchmarks/prompts/fidelity.txt)")
+    fidelity.add_argument("--ctx", type=int, default=512, help="tokens per chunk; the second half of each is scored")
+    fidelity.add_argument("--chunks", type=int, default=8)
+    fidelity.add_argument("--out", help="write the result as JSON here")
     summary = sub.add_parser("summary", help="summary.json (what BENCHMARKS.md cites) from each DIR/results.json")
     summary.add_argument("folders", nargs="+", metavar="DIR")
     args = parser.parse_args()
@@ -95,6 +111,15 @@ def main() -> int:
         from benchmarks.block_stable_cost import run as run_cost
 
         rows = run_cost(args.bundle, args.prompts, args.tokens, [d for d in args.drafters.split(",") if d])
+    elif args.command == "op_profile":
+        from benchmarks.op_profile import profile, table
+
+        rows = profile(args.bundle, [int(b) for b in args.blocks.split(",")], args.kv_len, args.repeats, args.threads)
+        print("\n".join(table(rows)))
+    elif args.command == "fidelity":
+        from benchmarks.fidelity import DEFAULT_TEXT, measure
+
+        rows = measure(args.model, args.bundles, args.text or DEFAULT_TEXT, args.ctx, args.chunks)
     elif args.command == "ab":
         from benchmarks.ab_passes import compare as compare_passes
 

@@ -109,6 +109,7 @@ class ModelInfo:
     shares_kv_with: str | None = None
     trimmed_head: TrimmedHead | None = None  # None: the head scores every one of arch.vocab_size rows
     block_size: int = DEFAULT_QUANT_BLOCK  # QUANT_BLOCKS: weights per scale at int4/int8; unused at fp16/fp32
+    zero_points: bool = False  # int4/int8 MatMuls carry a uint8 zero point per block (asymmetric)
 
     @property
     def logit_rows(self) -> int:
@@ -280,6 +281,8 @@ def validate(manifest: Manifest, bundle_dir: Path, check_hashes: bool = True) ->
             raise BundleError(f"model {role!r}: unknown quantization {model.quant!r} (known: {QUANTS})")
         if isinstance(model.block_size, bool) or not isinstance(model.block_size, int) or model.block_size not in QUANT_BLOCKS:
             raise BundleError(f"model {role!r}: block_size {json.dumps(model.block_size)[:40]} is not one of {list(QUANT_BLOCKS)}")
+        if not isinstance(model.zero_points, bool):
+            raise BundleError(f"model {role!r}: zero_points {json.dumps(model.zero_points)[:40]} is not true or false")
         if model.arch.kv_dtype not in KV_DTYPES:
             raise BundleError(f"model {role!r}: unknown KV dtype {model.arch.kv_dtype!r}")
         windows = model.arch.layer_windows

@@ -50,6 +50,7 @@ class ExportConfig:
     trace_layers: int | None = None  # layers traced at once (then stitched); None: as many as TRACE_BYTES of fp32 weights
     block_size: int = mf.DEFAULT_QUANT_BLOCK  # weights per int4/int8 scale (mf.QUANT_BLOCKS)
     draft_block_size: int | None = None  # the draft model's own block; None: block_size
+    zero_points: bool = False  # int4/int8 MatMuls asymmetric, scales and uint8 zero points fitted (export.quantize)
 
     def __post_init__(self):
         if self.trace_layers is not None and (isinstance(self.trace_layers, bool) or not isinstance(self.trace_layers, int) or self.trace_layers <= 0):
@@ -75,6 +76,8 @@ class ExportConfig:
             if "coreml" in self.formats:
                 raise ExportError(f"{flag} {block} sets the ONNX graphs' blocks; Core ML packages quantize int4 per block of "
                                   f"{mf.DEFAULT_QUANT_BLOCK}: drop --format coreml or {flag}")
+        if self.zero_points and (self.quant in ("fp16", "fp32") or "onnx" not in self.formats):
+            raise ExportError(f"--zero-points sets the ONNX graphs' int4/int8 MatMul blocks; --quant {self.quant} --format {','.join(self.formats)} has none")
         if self.device not in PROFILES:
             raise ExportError(f"unknown --device {self.device!r}; choose one of {', '.join(PROFILES)}")
         if self.attention is None:
@@ -282,7 +285,7 @@ def _quantize_stage(key: str, info: mf.StageInfo, traced: list[Path] | None, con
     float16 = config.profile.activations == "float16"
     progress(f"{key}: quantizing to {config.quant}{', float16 activations' if float16 else ''}")
     block = config.draft_block if key == "draft" else config.block_size
-    quantize_stage(graph, weights, tmp / info.file, config.quant, config.profile.activations, config.profile.quantized_embedding, block)
+    quantize_stage(graph, weights, tmp / info.file, config.quant, config.profile.activations, config.profile.quantized_embedding, block, config.zero_points)
     del graph, weights
     shutil.rmtree(traced[0].parent.parent)  # the parts' files, as large as the fp32 model
     data = info.file + ".data"
@@ -480,7 +483,7 @@ def _export_into(config: ExportConfig, tmp: Path, layer_skips, model_drafts, pro
         # The target runs trunk → rest → head; the layer-skip draft runs trunk → head, so every
         # weight is stored once and the draft writes the trunk's KV rows into the target's cache.
         plan = [("target.trunk", range(0, split), True, False), ("target.rest", range(split, n_layers), False, False), ("target.head", range(0, 0), False, True)]
-        models["target"] = mf.ModelInfo(target.source.description, target_arch, config.quant, tuple(k for k, *_ in plan), block_size=config.block_size)
+        models["target"] = mf.ModelInfo(target.source.description, target_arch, config.quant, tuple(k for k, *_ in plan), block_size=config.block_size, zero_points=config.zero_points)
         models["layer_skip"] = mf.ModelInfo(
             f"layer skip: first {split} of {n_layers} layers of the target",
             dataclasses.replace(target_arch, n_layers=split, layer_windows=target_arch.layer_windows[:split]),
@@ -488,10 +491,11 @@ def _export_into(config: ExportConfig, tmp: Path, layer_skips, model_drafts, pro
             ("target.trunk", "target.head"),
             shares_kv_with="target",
             block_size=config.block_size,
+            zero_points=config.zero_points,
         )
     else:
         plan = [("target", range(n_layers), True, True)]
-        models["target"] = mf.ModelInfo(target.source.description, target_arch, config.quant, ("target",), block_size=config.block_size)
+        models["target"] = mf.ModelInfo(target.source.description, target_arch, config.quant, ("target",), block_size=config.block_size, zero_points=config.zero_points)
     with tempfile.TemporaryDirectory(dir=tmp) as scratch:
         traced = {key: _trace_stage(target, key, layers, embed, head, config, tmp, Path(scratch), vocab_rows, progress, packages) for key, layers, embed, head in plan}
         del target  # the torch weights go before quantizing (the caller's cache may still hold them)
@@ -517,7 +521,7 @@ def _export_into(config: ExportConfig, tmp: Path, layer_skips, model_drafts, pro
             if head_tokens is not None:
                 trimmed = mf.TrimmedHead("draft" + mf.HEAD_TOKENS_SUFFIX, len(head_tokens.rows), head_tokens.description)
                 np.save(tmp / trimmed.file, head_tokens.rows)
-            models["draft"] = mf.ModelInfo(source, draft_arch, config.quant, ("draft",), trimmed_head=trimmed, block_size=config.draft_block)
+            models["draft"] = mf.ModelInfo(source, draft_arch, config.quant, ("draft",), trimmed_head=trimmed, block_size=config.draft_block, zero_points=config.zero_points)
 
     progress("hashing files")
     files = {p.name: mf.sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}

@@ -9,6 +9,11 @@ int8: MatMulNBits with 8 bits (the same blocks, accuracy level 4) and a 4-bit bl
       would be the largest tensor of a small model). Not quantize_dynamic: its per-tensor
       activation scale is ruined by the outlier channels these models have (SmolLM2 logits
       went to noise), while MatMulNBits quantizes activations per block of 32.
+      With zero points (`asymmetric`), each MatMul block gets a uint8 zero point and its scale and
+      zero point are fitted by least squares (fit_blocks) instead of taken from the block's
+      extremes: the CPU kernel folds zero points into the block sums it keeps anyway, so they cost
+      no bytes per pass, and at a larger block they recover much of the precision a larger block
+      loses (BENCHMARKS.md, "Bytes per token").
 fp16: float16 weights, float32 graph inputs and outputs.
 fp32: unchanged.
 A float16-activation device profile (cuda, dml) converts the quantized graph after that: every
@@ -25,7 +30,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import numpy as np
 import onnx
+from onnx import helper, numpy_helper
 
 from edge_spec import names
 from edge_spec.manifest import DEFAULT_QUANT_BLOCK
@@ -81,13 +88,77 @@ def _node_quantizer(bits: int, block_size: int):
     ))
 
 
+FIT_ITERATIONS = 4  # least-squares refits after the min/max start; more changed the error by < 0.2%
+FIT_ROWS = 8192  # output rows fitted at a time: the LM head's float32 temporaries stay under 1 GB
+
+
+def fit_blocks(w: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Asymmetric block quantization of w [N, K] (K a multiple of block): q [N, K/block, block] and
+    zero points [N, K/block] in 0..2^bits-1, scales [N, K/block], with w ≈ (q - zp) * scale. Starts
+    from each block's min and max, then alternates rounding with a least-squares fit of the scale
+    and offset (the offset rounded to an integer zero point), keeping each block's best."""
+    qmax = 2**bits - 1
+    wb = w.reshape(w.shape[0], -1, block).astype(np.float32)
+    lo, hi = wb.min(-1, keepdims=True), wb.max(-1, keepdims=True)
+    scale = np.maximum((hi - lo) / qmax, np.float32(1e-12))
+    zero = np.clip(np.round(-lo / scale), 0, qmax)
+    best = None
+    for iteration in range(FIT_ITERATIONS + 1):
+        q = np.clip(np.round(wb / scale + zero), 0, qmax)
+        err = np.square((q - zero) * scale - wb).sum(-1, keepdims=True)
+        if best is None:
+            best = [err, scale, zero]
+        else:
+            better = err < best[0]
+            best = [np.where(better, err, best[0]), np.where(better, scale, best[1]), np.where(better, zero, best[2])]
+        if iteration == FIT_ITERATIONS:
+            break
+        # w ≈ scale * q - offset, both free, then the offset rounded to a zero point and the scale refitted
+        sq, sqq, sw, sqw = q.sum(-1, keepdims=True), np.square(q).sum(-1, keepdims=True), wb.sum(-1, keepdims=True), (q * wb).sum(-1, keepdims=True)
+        det = block * sqq - sq * sq
+        fitted = np.where(det > 0, (block * sqw - sq * sw) / np.where(det > 0, det, 1), scale)
+        fitted = np.where(fitted > 1e-12, fitted, scale)
+        zero = np.clip(np.round((fitted * sq - sw) / block / fitted), 0, qmax)
+        d = q - zero
+        dd = np.square(d).sum(-1, keepdims=True)
+        scale = np.maximum(np.where(dd > 0, (wb * d).sum(-1, keepdims=True) / np.maximum(dd, 1e-20), fitted), np.float32(1e-12))
+    _, scale, zero = best
+    q = np.clip(np.round(wb / scale + zero), 0, qmax).astype(np.uint8)
+    return q, scale[..., 0].astype(np.float32), zero[..., 0].astype(np.uint8)
+
+
+def _pack4(values: np.ndarray) -> np.ndarray:
+    """Pairs of 4-bit values along the last axis into bytes, the first in the low nibble."""
+    if values.shape[-1] % 2:
+        values = np.concatenate([values, np.zeros(values.shape[:-1] + (1,), np.uint8)], -1)
+    return (values[..., 0::2] | (values[..., 1::2] << 4)).astype(np.uint8)
+
+
+def asymmetric_matmul(node: onnx.NodeProto, weight: np.ndarray, bits: int, block: int) -> tuple[onnx.NodeProto, list[onnx.TensorProto]]:
+    """MatMul(A, weight [K, N]) as MatMulNBits with fitted scales and uint8 zero points."""
+    k, n = weight.shape
+    padded = -(-k // block) * block
+    w = np.zeros((n, padded), np.float32)
+    w[:, :k] = weight.T
+    parts = [fit_blocks(w[r : r + FIT_ROWS], bits, block) for r in range(0, n, FIT_ROWS)]
+    q, scales, zeros = (np.concatenate(x) for x in zip(*parts))
+    data = _pack4(q) if bits == 4 else q
+    zp = _pack4(zeros) if bits == 4 else zeros
+    base = node.input[1]
+    tensors = [numpy_helper.from_array(data, f"{base}_Q{bits}"), numpy_helper.from_array(scales, f"{base}_scales"), numpy_helper.from_array(zp, f"{base}_zero_points")]
+    quantized = helper.make_node("MatMulNBits", [node.input[0]] + [t.name for t in tensors], list(node.output), name=f"{node.name}_Q{bits}",
+                                 domain="com.microsoft", K=k, N=n, bits=bits, block_size=block, accuracy_level=ACCURACY_LEVEL)
+    return quantized, tensors
+
+
 def write_stage(model: onnx.ModelProto, weights, dst: Path, matmul_bits: int | None, gather_bits: int | None,
-                block_size: int = DEFAULT_QUANT_BLOCK) -> None:
+                block_size: int = DEFAULT_QUANT_BLOCK, asymmetric: bool = False) -> None:
     """Write the stage graph `model` (its weights read from `weights`, an
     export.onnx_graphs.StageWeights) to dst + dst.data, one initializer at a time: each MatMul by
     a constant 2-D weight becomes MatMulNBits at `matmul_bits`, each Gather from a constant
     table GatherBlockQuantized at `gather_bits` (None: left as is), through ONNX Runtime's own
-    per-node quantizer (what MatMulNBitsQuantizer runs over a whole graph in memory)."""
+    per-node quantizer (what MatMulNBitsQuantizer runs over a whole graph in memory); with
+    `asymmetric`, the MatMuls through asymmetric_matmul instead."""
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
     quantizers = {op: _node_quantizer(bits, block_size) for op, bits in (("MatMul", matmul_bits), ("Gather", gather_bits)) if bits}
@@ -99,6 +170,11 @@ def write_stage(model: onnx.ModelProto, weights, dst: Path, matmul_bits: int | N
             weight = initializers.get(node.input[1] if node.op_type == "MatMul" else node.input[0]) if node.op_type in quantizers else None
             if weight is None or weight.data_type != onnx.TensorProto.FLOAT or (node.op_type == "MatMul" and len(weight.dims) != 2):
                 nodes.append(node)
+                continue
+            if asymmetric and node.op_type == "MatMul":
+                quantized, tensors = asymmetric_matmul(node, weights.array(weight), matmul_bits, block_size)
+                nodes.append(quantized)
+                made.extend(writer.add(t) for t in tensors)
                 continue
             scope = onnx.GraphProto(initializer=[weights.tensor(weight)])
             nodes.extend(quantizers[node.op_type].quantize(node, [scope]))
@@ -142,12 +218,13 @@ def to_float16(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def quantize_stage(model: onnx.ModelProto, weights, dst: Path, quant: str, activations: str = "float32", quantized_embedding: bool = True,
-                   block_size: int = DEFAULT_QUANT_BLOCK) -> None:
+                   block_size: int = DEFAULT_QUANT_BLOCK, asymmetric: bool = False) -> None:
     """Write the merged stage graph (export.onnx_graphs.finish_stage) into dst (+ dst.data) at
     `quant`. int4/int8 and fp32 stream weight by weight. fp16 weights and float16 activations
     convert a whole graph in memory: the fp32 one for fp16 weights, the already quantized (small)
     one for int4/int8 with float16 activations. quantized_embedding False: int4/int8 quantize the
-    MatMuls only (a provider without GatherBlockQuantized). block_size: weights per int4/int8 scale."""
+    MatMuls only (a provider without GatherBlockQuantized). block_size: weights per int4/int8 scale.
+    asymmetric: MatMul weights with fitted scales and uint8 zero points (write_stage)."""
     logging.getLogger("onnxruntime.quantization").setLevel(logging.ERROR)
     if quant not in ("int4", "int8", "fp16", "fp32"):
         raise ValueError(f"unknown quantization {quant!r} (int4, int8, fp16, fp32)")
@@ -157,10 +234,10 @@ def quantize_stage(model: onnx.ModelProto, weights, dst: Path, quant: str, activ
     # The embedding table is 4-bit at int8 too: ONNX Runtime's Gather quantizer has only 4 bits.
     gather_bits = 4 if bits and quantized_embedding else None
     if activations != "float16" and quant != "fp16":
-        write_stage(model, weights, dst, bits, gather_bits, block_size)
+        write_stage(model, weights, dst, bits, gather_bits, block_size, asymmetric)
         return
     scratch = dst.with_name(dst.stem + ".unconverted.onnx")
-    write_stage(model, weights, scratch, bits, gather_bits, block_size)
+    write_stage(model, weights, scratch, bits, gather_bits, block_size, asymmetric)
     converted = onnx.load(str(scratch), load_external_data=True)
     scratch.unlink()
     scratch.with_name(scratch.name + ".data").unlink()

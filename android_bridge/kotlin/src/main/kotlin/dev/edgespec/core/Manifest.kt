@@ -106,7 +106,7 @@ object ManifestReader {
         val modelsObj = top.obj("models")
         val models = LinkedHashMap<String, ModelInfo>()
         for (role in modelsObj.keys()) {
-            val f = Fields(modelsObj.getJSONObject(role), "model '$role'", listOf("source", "arch", "quant", "stages", "shares_kv_with", "trimmed_head", "block_size"))
+            val f = Fields(modelsObj.getJSONObject(role), "model '$role'", listOf("source", "arch", "quant", "stages", "shares_kv_with", "trimmed_head", "block_size", "zero_points"))
             // A trimmed draft head needs its logits put back at the kept token ids; this core does not do that yet.
             if (f.has("trimmed_head")) {
                 throw BundleException("model '$role' has a trimmed LM head (trimmed_head): the Android core does not run trimmed draft heads yet; export without --draft-vocab")
@@ -115,6 +115,8 @@ object ManifestReader {
             if (f.has("block_size") && f.int("block_size") !in QUANT_BLOCKS) {
                 throw BundleException("model '$role': block_size ${f.int("block_size")} is not one of $QUANT_BLOCKS")
             }
+            // Zero points, like blocks, live in each MatMulNBits node: the field is checked, not needed.
+            if (f.has("zero_points")) f.bool("zero_points")
             val a = Fields(f.obj("arch"), "model '$role' arch",
                 listOf("model_type", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_size", "vocab_size", "max_context", "kv_dtype", "layer_windows"))
             // Windowed layers are masked inside the graphs, but that path is untested here: refused by name, not run.
