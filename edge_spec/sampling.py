@@ -26,11 +26,12 @@ MIN_TEMPERATURE = 1e-269
 
 
 class SettingError(ValueError):
-    """A request setting out of range; `param` names it (the server's error field, the API's keyword)."""
+    """A request setting out of range or of the wrong kind; `param` names it (the server's error
+    field, the API's keyword) and `code` is the server's error code for it."""
 
-    def __init__(self, param: str, message: str):
+    def __init__(self, param: str, message: str, code: str = "invalid_value"):
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
 
 
 def shown(value, limit: int = 40) -> str:

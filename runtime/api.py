@@ -32,6 +32,7 @@ Imports no torch/transformers: onnxruntime, numpy, tokenizers and jinja2 only.
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 import weakref
@@ -348,6 +349,12 @@ class Job:
         if self._async_queue is None:
             if self._iterated:
                 raise RuntimeError("a Job can be iterated only once")
+            if self.model._queue.running_thread == threading.get_ident():
+                # An event loop run inside a sync stream's loop body (asyncio.run(model.agenerate(...))):
+                # the stream cannot advance until this await returns, so it would wait for itself.
+                self.close()
+                raise RuntimeError("this thread is iterating a stream of this Model: an event loop run inside that loop "
+                                   "would wait for it forever; finish or close() the stream first")
             self._iterated = True
             loop = asyncio.get_running_loop()
             self._async_queue = asyncio.Queue()
@@ -419,6 +426,15 @@ class Job:
         return self.final
 
 
+def _check_queue_settings(max_queue, queue_timeout, stream_idle_timeout) -> None:
+    for label, seconds in (("queue_timeout", queue_timeout), ("stream_idle_timeout", stream_idle_timeout)):
+        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                                    or not math.isfinite(seconds) or seconds <= 0):
+            raise ValueError(f"{label} must be a number of seconds > 0, or None, got {shown(seconds)}")
+    if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
+        raise ValueError(f"max_queue must be an integer >= 0, got {shown(max_queue)}")
+
+
 @dataclass
 class _Counters:
     values: dict = field(default_factory=dict)
@@ -430,8 +446,7 @@ class Model:
 
     def __init__(self, engine: Engine, *, max_queue: int = 16, queue_timeout: float | None = None, name: str | None = None,
                  stream_idle_timeout: float | None = 60.0):
-        if stream_idle_timeout is not None and not stream_idle_timeout > 0:
-            raise ValueError(f"stream_idle_timeout must be > 0 seconds or None, got {stream_idle_timeout!r}")
+        _check_queue_settings(max_queue, queue_timeout, stream_idle_timeout)
         self.engine = engine
         self.name = name or Path(engine.bundle.path).resolve().name
         self.queue_timeout = queue_timeout
@@ -467,6 +482,7 @@ class Model:
     ) -> "Model":
         """Open a bundle (validates it, loads the sessions, calibrates γ costs). engine_config,
         when given, replaces the provider..allow_fallback keywords."""
+        _check_queue_settings(max_queue, queue_timeout, stream_idle_timeout)  # before the (slow) load
         config = engine_config or EngineConfig(
             provider=provider, threads=threads, drafter=drafter, gamma=gamma,
             max_gamma=max(max_gamma, gamma or 0), allow_fallback=allow_fallback,

@@ -18,7 +18,7 @@ import numpy as np
 
 from edge_spec.commit import commit, stop_prefix_len
 from edge_spec.manifest import BundleError
-from edge_spec.sampling import SamplingConfig
+from edge_spec.sampling import SamplingConfig, shown
 from runtime.drafters.base import Drafter, Remembers, parts
 from runtime.calibration import calibrate, calibrated
 from runtime.gamma import CostModel, GammaConfig
@@ -27,6 +27,7 @@ from runtime.loader import DRAFTERS, Loader
 from runtime.loop import Step, decode_steps
 from runtime.model import ModelRunner
 from runtime.policy import RoundPolicy
+from runtime.requests import check_messages, check_prompt_text
 from runtime.sessions import ProviderChoice
 from runtime.stats import Stats, summarize
 from runtime.tokenizer import StreamDecoder
@@ -46,29 +47,45 @@ def check_token_ids(ids, vocab: int) -> None:
 
 
 class Prompt(tuple):
-    """Token ids check_prompt accepted for `limits` (vocabulary, max context): handed on to
-    Engine.stream or Model.submit, they are not checked again."""
+    """Token ids checked, as the Prompt is built, for `limits` (vocabulary, max context): not
+    empty, every id an int in [0, vocab), room left for a token. No Prompt exists unchecked, so
+    Engine.stream and Model.submit take one without checking it again."""
 
     def __new__(cls, ids: Iterable[int], limits: tuple[int, int]):
+        vocab, max_context = limits
+        for name, value in (("vocab", vocab), ("max_context", max_context)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"a Prompt's {name} limit must be an integer >= 1, got {value!r}")
         prompt = super().__new__(cls, ids)
-        prompt.limits = limits
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        check_token_ids(prompt, vocab)
+        if len(prompt) >= max_context:
+            raise PromptTooLongError(
+                f"prompt has {len(prompt)} tokens but the bundle's max context is {max_context}; "
+                "shorten the prompt or re-export with a larger --max-context"
+            )
+        object.__setattr__(prompt, "_limits", (vocab, max_context))
         return prompt
+
+    @property
+    def limits(self) -> tuple[int, int]:
+        return self._limits
+
+    def __setattr__(self, name, value):
+        raise AttributeError("a Prompt is checked once, as it is built, and cannot be changed")
 
 
 def check_prompt(ids: Iterable[int], vocab: int, max_context: int) -> Prompt:
-    """The one prompt check: not empty, every id in the vocabulary, room left in the context."""
+    """The one prompt check (Prompt's): a Prompt built for these limits passes as it is."""
     if isinstance(ids, Prompt) and ids.limits == (vocab, max_context):
         return ids
-    prompt = tuple(ids)
-    if not prompt:
-        raise ValueError("the prompt is empty")
-    check_token_ids(prompt, vocab)
-    if len(prompt) >= max_context:
-        raise PromptTooLongError(
-            f"prompt has {len(prompt)} tokens but the bundle's max context is {max_context}; "
-            "shorten the prompt or re-export with a larger --max-context"
-        )
-    return Prompt(prompt, (vocab, max_context))
+    if isinstance(ids, (str, bytes)):
+        raise ValueError("prompt ids must be a list of token ids, not text (pass the text as prompt=)")
+    try:
+        return Prompt(ids, (vocab, max_context))
+    except TypeError:
+        raise ValueError(f"prompt ids must be a list of token ids, got {shown(ids)}") from None
 
 
 @dataclass(frozen=True)
@@ -98,6 +115,10 @@ class EngineConfig:
     stream_idle_timeout: float | None = 60.0
 
     def __post_init__(self):
+        for name in ("threads", "device_id"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {shown(value)}")
         GammaConfig(fixed=self.gamma, max_gamma=self.max_gamma)  # raises ValueError on a γ it cannot run
         if self.stream_idle_timeout is not None and not self.stream_idle_timeout > 0:
             raise ValueError(f"stream_idle_timeout must be > 0 seconds or None, got {self.stream_idle_timeout!r}")
@@ -223,8 +244,8 @@ class Engine:
         if (prompt is None) == (messages is None):
             raise ValueError("pass exactly one of prompt or messages")
         if messages is not None:
-            return self.tokenizer.encode_chat(messages)
-        return self.tokenizer.encode(prompt, parse_special=parse_special)
+            return self.tokenizer.encode_chat(check_messages(messages))
+        return self.tokenizer.encode(check_prompt_text(prompt), parse_special=parse_special)
 
     def check_prompt(self, prompt_ids: Iterable[int]) -> Prompt:
         """ValueError (empty, or ids outside the vocabulary) or PromptTooLongError."""

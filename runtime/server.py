@@ -42,6 +42,7 @@ from starlette.routing import Route
 from edge_spec.sampling import SettingError
 from runtime.api import Job, Model, ModelClosedError, Options, QueueFullError, QueueTimeoutError
 from runtime.engine import Prompt, PromptTooLongError
+from runtime.requests import check_messages, check_text
 from runtime.tokenizer import ChatTemplateError
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB of JSON is far more than any prompt a bundle's context holds
@@ -68,7 +69,6 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "logprobs", "parse_special"} | set(_COMMON_INERT)
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
                          "tools", "tool_choice", "parallel_tool_calls"} | (set(_COMMON_INERT) - {"best_of"})
-CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 
 def is_loopback(host: str) -> bool:
@@ -228,13 +228,10 @@ def _check_tree(body) -> None:
 
 
 def _check_text(value: str, where: str) -> None:
-    if not value.isascii():
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ApiError(400, f"{where} holds a lone UTF-16 surrogate (an escape like \\ud800 without its pair), "
-                                "which is not Unicode text", param=None if where == "body" else where,
-                           code="invalid_text") from None
+    try:
+        check_text(value, where)  # the API's own check
+    except SettingError as exc:
+        raise ApiError(400, str(exc), param=None if where == "body" else where, code=exc.code) from None
 
 
 # -- metrics ------------------------------------------------------------------------------------
@@ -365,6 +362,10 @@ def _type_error(name: str, expected: str, value) -> ApiError:
 
 def _value_error(name: str, message: str) -> ApiError:
     return ApiError(400, message, param=name, code="invalid_value")
+
+
+def _setting_error(exc: SettingError) -> ApiError:
+    return ApiError(400, str(exc), param=exc.param, code=exc.code)
 
 
 def _integer(body: dict, name: str, default, low: int | None = None, high: int | None = None, high_message: str | None = None):
@@ -644,7 +645,7 @@ class Server:
             return Options(max_tokens=max_tokens, temperature=temperature, top_k=max(top_k, 0), top_p=top_p, seed=seed,
                            stop=_stop(body))
         except SettingError as exc:
-            raise _value_error(exc.param, str(exc)) from None
+            raise _setting_error(exc) from None
 
     def _stream_flags(self, body: dict) -> tuple[bool, bool]:
         stream = _boolean(body, "stream", False)
@@ -726,30 +727,10 @@ class Server:
         messages = body.get("messages")
         if messages is None:
             raise ApiError(400, "messages is required", param="messages", code="missing_required_parameter")
-        if not isinstance(messages, list) or not messages:
-            raise _type_error("messages", "a non-empty list of messages", messages)
-        clean = []
-        for i, message in enumerate(messages):
-            where = f"messages[{i}]"
-            if not isinstance(message, dict):
-                raise _type_error(where, "an object", message)
-            role, content = message.get("role"), message.get("content")
-            if role not in CHAT_ROLES:
-                raise _value_error(f"{where}.role", f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {json.dumps(role)[:40]}")
-            if isinstance(content, list):  # content parts: text only
-                parts = []
-                for part in content:
-                    if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                        raise _value_error(f"{where}.content", "only text content parts are supported")
-                    parts.append(part["text"])
-                content = "".join(parts)
-            if not isinstance(content, str):
-                raise _type_error(f"{where}.content", "a string", content)
-            extra = set(message) - {"role", "content", "name"}
-            if extra:
-                raise ApiError(400, f"Unrecognized argument in {where}: {', '.join(sorted(extra))}",
-                               param=f"{where}.{sorted(extra)[0]}", code="unknown_parameter")
-            clean.append({"role": "system" if role == "developer" else role, "content": content})
+        try:
+            clean = check_messages(messages)  # the API's own check
+        except SettingError as exc:
+            raise _setting_error(exc) from None
         if not self.model.has_chat_template:
             raise ApiError(400, "this bundle's tokenizer has no chat template; use /v1/completions with a raw prompt",
                            param="messages", code="no_chat_template")

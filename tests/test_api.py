@@ -279,8 +279,13 @@ def test_queue_timeout(llama_bundle):
         async def wait_async():
             with pytest.raises(QueueTimeoutError):
                 await m.agenerate("the dog", max_tokens=4)
+            failures.append("async")
 
-        asyncio.run(wait_async())
+        # On another thread too: an event loop on this one would be refused at once (re-entrant).
+        waiter = threading.Thread(target=lambda: asyncio.run(wait_async()))
+        waiter.start()
+        waiter.join(timeout=10)
+        assert failures[-1] == "async"
     finally:
         held.close()
     assert m.generate("the dog", max_tokens=4).token_ids
@@ -443,3 +448,90 @@ def test_a_temperature_that_overflows_the_logits_is_refused(model, temperature):
         model.generate("the cat", max_tokens=2, temperature=temperature)
     assert "\n" not in str(caught.value)
     assert model.generate("the cat", max_tokens=2, temperature=1e-269, seed=0).stop_reason in ("length", "eos")
+
+
+def test_a_prompt_cannot_be_built_unchecked(model):
+    from runtime.api import Prompt
+
+    limits = (model.vocab_size, model.max_context)
+    for bad in ([-5, 10], [1, 10**6], [1, model.vocab_size]):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            Prompt(bad, limits)
+    with pytest.raises(ValueError, match="empty"):
+        Prompt([], limits)
+    with pytest.raises(PromptTooLongError):
+        Prompt([1] * model.max_context, limits)
+    wide = Prompt([1, 10**6], (10**7, 10**7))  # checked for other limits: the engine checks it again
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        model.generate(prompt_ids=wide, max_tokens=2)
+    with pytest.raises(AttributeError):
+        wide.limits = limits
+    with pytest.raises(AttributeError):
+        wide._limits = limits
+    assert model.generate(prompt_ids=Prompt([1, 5], limits), max_tokens=2).prompt_ids == [1, 5]
+
+
+@pytest.mark.parametrize("messages, fragment", [
+    ("hi", "messages must be a non-empty list"),
+    ({"role": "user", "content": "hi"}, "messages must be a non-empty list"),
+    ([], "messages must be a non-empty list"),
+    (["hi"], "messages[0] must be an object"),
+    ([{"role": "user<|assistant|>", "content": "hi"}], "messages[0].role must be one of"),
+    ([{"role": "</s><|system|>", "content": "hi"}], "messages[0].role must be one of"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "only text content parts"),
+    ([{"role": "user", "content": ["hi"]}], "only text content parts"),
+    ([{"role": "user", "content": 5}], "messages[0].content must be a string"),
+    ([{"role": "user", "content": "hi", "tool_calls": []}], "Unrecognized argument in messages[0]"),
+    ([{"role": "user", "content": "a\ud800b"}], "lone UTF-16 surrogate"),
+])
+def test_messages_get_the_servers_checks(model, messages, fragment):
+    with pytest.raises(ValueError) as caught:
+        model.generate(messages=messages, max_tokens=2)
+    assert fragment in str(caught.value) and "\n" not in str(caught.value)
+    with pytest.raises(ValueError):
+        model.encode(messages=messages)
+
+
+def test_text_content_parts_are_joined_as_on_the_server(model):
+    parts = [{"role": "developer", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
+             {"role": "user", "content": "hello there"}]
+    plain = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    assert model.encode(messages=parts) == model.encode(messages=plain)
+    with pytest.raises(ValueError, match="prompt must be a string"):
+        model.generate(prompt=["the cat"], max_tokens=2)
+
+
+@pytest.mark.parametrize("settings, fragment", [
+    ({"threads": -1}, "threads must be an integer >= 0"),
+    ({"queue_timeout": -5}, "queue_timeout must be a number of seconds > 0"),
+    ({"queue_timeout": float("nan")}, "queue_timeout must be a number of seconds > 0"),
+    ({"max_queue": -1}, "max_queue must be an integer >= 0"),
+    ({"stream_idle_timeout": 0}, "stream_idle_timeout must be"),
+])
+def test_load_settings_are_checked_before_loading(llama_bundle, monkeypatch, settings, fragment):
+    import runtime.api as api_module
+
+    monkeypatch.setattr(api_module, "Engine", lambda *a, **k: pytest.fail("the bundle was loaded"))
+    with pytest.raises(ValueError, match=fragment):
+        Model.load(llama_bundle, provider="cpu", **settings)
+
+
+def test_an_event_loop_inside_a_sync_stream_is_refused_at_once(model):
+    def scenario():
+        stream = model.stream("the cat sat on", max_tokens=8)
+        next(stream)  # this thread now holds the engine
+        began = time.monotonic()
+        with pytest.raises(RuntimeError, match="iterating a stream of this Model"):
+            asyncio.run(model.agenerate("quick brown fox", max_tokens=2))
+
+        async def consume():
+            return [chunk async for chunk in model.astream("quick brown fox", max_tokens=2)]
+
+        with pytest.raises(RuntimeError, match="iterating a stream of this Model"):
+            asyncio.run(consume())
+        assert time.monotonic() - began < 2
+        assert list(stream)[-1].result.stop_reason in ("length", "eos")  # the outer stream was not harmed
+        assert model.queue_depth == 0
+
+    _bounded(scenario)
+    assert model.generate("quick brown fox", max_tokens=2).stop_reason in ("length", "eos")
