@@ -272,6 +272,12 @@ def validate(manifest: Manifest, bundle_dir: Path, check_hashes: bool = True) ->
         raise BundleError(f"manifest default_draft {manifest.default_draft!r} is not one of its models (other than the target)")
     if not manifest.tokenizer.eos_token_ids:
         raise BundleError("manifest tokenizer lists no EOS token id")
+    vocab = manifest.tokenizer.n_real_tokens
+    for name, ids in (("eos_token_ids", manifest.tokenizer.eos_token_ids), ("bos_token_id", (manifest.tokenizer.bos_token_id,))):
+        outside = [i for i in ids if i is not None and i >= vocab]
+        if outside:  # an EOS the model can never emit would let every generation run to its limit
+            raise BundleError(f"manifest tokenizer.{name} {json.dumps(outside[0])[:40]} is outside the vocabulary "
+                              f"[0, {vocab}) (tokenizer.n_real_tokens); fix the manifest or re-export the bundle")
     target = manifest.target
     profile = PROFILES.get(manifest.device)
     if profile is None:
@@ -436,12 +442,14 @@ def _validate_files(manifest: Manifest, bundle_dir: Path, check_hashes: bool) ->
     unlisted = referenced - set(manifest.files)
     if unlisted:
         raise BundleError(f"manifest lists no hash for {sorted(unlisted)}")
+    root = bundle_dir.resolve()
     for rel, expected in manifest.files.items():
         if Path(rel).is_absolute() or ".." in Path(rel).parts:
             raise BundleError(f"manifest file {rel!r} points outside the bundle folder")
         path = bundle_dir / rel
         if not path.is_file():
             raise BundleError(f"bundle file missing: {path} (the bundle is incomplete; re-export it)")
+        _inside(path, root)
         if check_hashes:
             actual = sha256_file(path)
             if actual != expected:
@@ -451,6 +459,14 @@ def _validate_files(manifest: Manifest, bundle_dir: Path, check_hashes: bool) ->
                 )
 
 
+def _inside(path: Path, root: Path) -> None:
+    """A bundle file must be inside the bundle folder once every symlink is followed: a link out of
+    it would let a copied bundle read (and, unhashed, feed the runtime) any file on the machine."""
+    if not path.resolve().is_relative_to(root):
+        raise BundleError(f"bundle file {path} is a link to {path.resolve()}, outside the bundle folder {root}; "
+                          "copy the file into the bundle instead")
+
+
 def load_manifest(bundle_dir: str | Path, check_hashes: bool = True) -> Manifest:
     bundle_dir = Path(bundle_dir)
     path = bundle_dir / MANIFEST_FILE
@@ -458,6 +474,7 @@ def load_manifest(bundle_dir: str | Path, check_hashes: bool = True) -> Manifest
         raise BundleError(f"bundle folder not found: {bundle_dir}")
     if not path.is_file():
         raise BundleError(f"{bundle_dir} is not a bundle: it has no {MANIFEST_FILE} (run `python -m export` first)")
+    _inside(path, bundle_dir.resolve())
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -2,30 +2,116 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import re
 import secrets
+import threading
+import time
 from datetime import datetime
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 from tokenizers import Tokenizer
 
-from edge_spec.manifest import TokenizerInfo
+from edge_spec.manifest import BundleError, TokenizerInfo
 
 
 class ChatTemplateError(ValueError):
     pass
 
 
+class TemplateLimitError(ChatTemplateError):
+    """A chat template that went past a rendering limit (size, time): the bundle's fault."""
+
+
 def _raise(message: str):
     raise ChatTemplateError(message)
+
+
+# A bundle's chat template is code from whoever made the bundle (manifest.json is not hashed).
+# The sandbox stops attribute tricks; these stop it from exhausting memory or time on each request.
+RENDER_SECONDS = 5.0  # real templates render in milliseconds
+RENDER_BASE_CHARS = 1 << 20  # what a template may add around the messages' own text
+MAX_POWER_BITS = 1 << 16  # an integer ** result larger than this is refused before it is computed
+
+
+class _Budget(threading.local):
+    deadline = math.inf
+    chars = RENDER_BASE_CHARS
+
+
+class _BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox plus per-render limits: no string or list over the render's character budget
+    from `*`, `%` or an integer argument of a call or filter, no huge `**`, and a deadline checked
+    at every such operation, range() and piece of output."""
+
+    intercepted_binops = frozenset(("*", "**", "%"))
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.budget = _Budget()
+        self.globals["range"] = self._range
+        self.filters = {name: self._bounded_filter(f) for name, f in self.filters.items()}
+
+    def check_time(self) -> None:
+        if time.monotonic() > self.budget.deadline:
+            raise TemplateLimitError(f"the bundle's chat template took longer than {RENDER_SECONDS:g} s to render")
+
+    def check_size(self, n: int, what: str) -> None:
+        if n > self.budget.chars:
+            raise TemplateLimitError(f"the bundle's chat template asked for {what} of {n} items, over its limit of "
+                                     f"{self.budget.chars} characters")
+
+    def check_arguments(self, args, kwargs) -> None:
+        self.check_time()
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, int) and not isinstance(value, bool) and abs(value) > self.budget.chars:
+                self.check_size(abs(value), "a width or count")
+
+    def _range(self, *args):
+        self.check_arguments(args, {})
+        return safe_range(*args)
+
+    def _bounded_filter(self, f):
+        skip = 2 if getattr(f, "jinja_pass_arg", None) else 1  # the context/environment, then the value filtered
+
+        @functools.wraps(f)  # keeps jinja's pass_context/pass_environment marks
+        def bounded(*args, **kwargs):
+            self.check_arguments(args[skip:], kwargs)
+            return f(*args, **kwargs)
+
+        return bounded
+
+    def call_binop(self, context, operator, left, right):
+        self.check_time()
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and not isinstance(n, bool):
+                    self.check_size(len(seq) * n, "a repeated string or list")
+        elif operator == "**":
+            if isinstance(left, int) and isinstance(right, int) and right > 0 and abs(left) > 1:
+                if abs(left).bit_length() * right > MAX_POWER_BITS:
+                    raise TemplateLimitError(f"the bundle's chat template computes a power with over {MAX_POWER_BITS} bits")
+        elif operator == "%" and isinstance(left, str):
+            self.check_arguments(right if isinstance(right, tuple) else (right,), {})
+        return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's own signature)
+        __self.check_arguments(args, kwargs)
+        return super().call(__context, __obj, *args, **kwargs)
 
 
 class BundleTokenizer:
     def __init__(self, path, info: TokenizerInfo):
         self.info = info
-        self._tokenizer = Tokenizer.from_file(str(path))
+        try:
+            self._tokenizer = Tokenizer.from_file(str(path))
+        except Exception as exc:  # the tokenizers library raises a bare Exception for any bad file
+            reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+            raise BundleError(f"{path} is not a tokenizer the tokenizers library can read ({reason}); "
+                              "re-export the bundle") from None
         # A second copy that splits special-token strings as plain text: the content of a
         # message (or a raw prompt, unless asked otherwise) can never write a control token.
         self._text_only = Tokenizer.from_file(str(path))
@@ -41,7 +127,7 @@ class BundleTokenizer:
         if info.chat_template:
             # The same rendering rules Hugging Face applies to chat templates: a sandbox,
             # trimmed blocks, loop controls, and raise_exception / strftime_now helpers.
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+            env = _BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
             env.globals["raise_exception"] = _raise
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             # Templates serialize tool calls with tojson: keep key order and raw characters,
@@ -49,11 +135,20 @@ class BundleTokenizer:
             env.filters["tojson"] = lambda value, indent=None, separators=None, sort_keys=False: json.dumps(
                 value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
             )
+            env.filters["tojson"] = env._bounded_filter(env.filters["tojson"])
+            self._env = env
             try:
                 self._template = env.from_string(info.chat_template)
             except jinja2.TemplateError as exc:
                 raise ChatTemplateError(f"the bundle's chat template does not compile: {exc}; fix tokenizer.chat_template "
                                         "in manifest.json or re-export the bundle") from None
+            try:  # a template over its limits for one short message would be so for every request
+                self.render_chat([{"role": "user", "content": "Hello"}])
+            except TemplateLimitError as exc:
+                raise TemplateLimitError(f"{exc} for a one-message chat; fix tokenizer.chat_template in manifest.json "
+                                         "or re-export the bundle") from None
+            except ChatTemplateError:
+                pass  # the template's own refusal (raise_exception) of this probe says nothing about the bundle
 
     @property
     def has_chat_template(self) -> bool:
@@ -75,10 +170,28 @@ class BundleTokenizer:
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if self._template is None:
             raise ChatTemplateError("this bundle's tokenizer has no chat template; pass a raw prompt instead")
+        budget = self._env.budget
+        text_chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+        budget.chars = RENDER_BASE_CHARS + 2 * text_chars  # a template may show the messages twice
+        budget.deadline = time.monotonic() + RENDER_SECONDS
+        pieces, size = [], 0
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.info.special_tokens)
-        except jinja2.TemplateError as exc:
-            raise ChatTemplateError(f"chat template failed: {exc}") from None
+            for piece in self._template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                 **self.info.special_tokens):
+                size += len(piece)
+                self._env.check_size(size, "output")
+                self._env.check_time()
+                pieces.append(piece)
+        except ChatTemplateError:
+            raise
+        except (jinja2.TemplateError, ArithmeticError, LookupError, MemoryError, RecursionError, TypeError, ValueError,
+                AttributeError) as exc:
+            # One line, whatever the template did (MemoryError, OverflowError from range(), a type error).
+            reason = (str(exc).splitlines() or [""])[0][:200]
+            raise ChatTemplateError(f"the bundle's chat template failed: {type(exc).__name__}: {reason}") from None
+        finally:
+            budget.deadline = math.inf
+        return "".join(pieces)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """The template writes any BOS itself, so no special tokens are added on top. Special-token

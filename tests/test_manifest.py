@@ -190,3 +190,92 @@ def test_engine_names_a_missing_role(tiny_models, tmp_path):
     # auto without any draft model: prompt lookup only.
     engine = Engine(out, EngineConfig(drafter="auto", calibrate=False))
     assert [part.name for part in engine.drafter.parts()] == ["lookup"]
+
+
+# -- untrusted bundles: links out of the folder, ids outside the vocabulary, unreadable files ------
+
+def test_a_file_linked_outside_the_bundle_is_refused(bundle, tmp_path):
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (bundle / mf.TOKENIZER_FILE).rename(outside / mf.TOKENIZER_FILE)
+    (bundle / mf.TOKENIZER_FILE).symlink_to(outside / mf.TOKENIZER_FILE)  # same bytes: the hash matches
+    _raises(bundle, "tokenizer.json is a link to", "outside the bundle folder")
+    _raises(bundle, "outside the bundle folder", check_hashes=False)
+
+
+def test_a_manifest_linked_outside_the_bundle_is_refused(bundle, tmp_path):
+    (bundle / mf.MANIFEST_FILE).rename(tmp_path / "manifest.json")
+    (bundle / mf.MANIFEST_FILE).symlink_to(tmp_path / "manifest.json")
+    _raises(bundle, "manifest.json is a link to", "outside the bundle folder")
+
+
+def test_links_inside_the_bundle_and_a_linked_bundle_folder_load(bundle, tmp_path):
+    (bundle / "tok-real.json").write_bytes((bundle / mf.TOKENIZER_FILE).read_bytes())
+    (bundle / mf.TOKENIZER_FILE).unlink()
+    (bundle / mf.TOKENIZER_FILE).symlink_to("tok-real.json")
+    (tmp_path / "alias").symlink_to(bundle)
+    assert load_manifest(tmp_path / "alias").target.arch.max_context == 64
+
+
+@pytest.mark.parametrize("change, fragment", [
+    (lambda d: d["tokenizer"].update(eos_token_ids=[10**9]), "tokenizer.eos_token_ids 1000000000 is outside the vocabulary"),
+    (lambda d: d["tokenizer"].update(eos_token_ids=[2, d["tokenizer"]["n_real_tokens"]]), "eos_token_ids"),
+    (lambda d: d["tokenizer"].update(bos_token_id=10**6), "tokenizer.bos_token_id 1000000 is outside the vocabulary"),
+])
+def test_special_ids_outside_the_vocabulary_are_refused(bundle, change, fragment):
+    _edit(bundle, change)
+    _raises(bundle, fragment, check_hashes=False)
+
+
+def _rehash(bundle: Path, rel: str) -> None:
+    _edit(bundle, lambda d: d["files"].update({rel: mf.sha256_file(bundle / rel)}))
+
+
+def test_a_tokenizer_file_that_is_not_json_is_one_line(bundle):
+    from runtime.engine import Engine, EngineConfig
+
+    (bundle / mf.TOKENIZER_FILE).write_bytes(b"\x00\xffnot json at all\n{")
+    _rehash(bundle, mf.TOKENIZER_FILE)
+    with pytest.raises(BundleError, match="is not a tokenizer the tokenizers library can read") as caught:
+        Engine(bundle, EngineConfig(provider="cpu", drafter="none", calibrate=False))
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("template", [
+    "{{ 'x' * 10**10 }}",
+    "{% for i in range(10**9) %}{{ i }}{% endfor %}",
+    "{{ 'x' | center(10**10) }}",
+    "{{ 7 ** (10 ** 8) }}",
+    "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
+])
+def test_a_chat_template_past_its_limits_is_refused_at_load_in_one_line(bundle, template, monkeypatch):
+    import runtime.tokenizer as tokenizer_module
+    from runtime.engine import Engine, EngineConfig
+    from runtime.tokenizer import ChatTemplateError
+
+    monkeypatch.setattr(tokenizer_module, "RENDER_SECONDS", 0.5)
+    _edit(bundle, lambda d: d["tokenizer"].update(chat_template=template))
+    with pytest.raises(ChatTemplateError, match="chat template") as caught:
+        Engine(bundle, EngineConfig(provider="cpu", drafter="none", calibrate=False))
+    assert "\n" not in str(caught.value) and len(str(caught.value)) < 400
+
+
+BOMB_ON_REQUEST = ("{% for m in messages %}{% if m['content'] == 'boom' %}{{ 'x' * 10**10 }}{% endif %}"
+                   "{% if m['content'] == 'loop' %}{% for i in range(10**9) %}{% endfor %}{% endif %}"
+                   "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
+
+
+def test_a_chat_template_past_its_limits_on_one_request_is_a_value_error(bundle):
+    from runtime.api import Model
+    from runtime.tokenizer import ChatTemplateError
+
+    _edit(bundle, lambda d: d["tokenizer"].update(chat_template=BOMB_ON_REQUEST))
+    model = Model.load(bundle, provider="cpu", threads=1, drafter="none")
+    try:
+        for content in ("boom", "loop"):
+            with pytest.raises(ChatTemplateError, match="over its limit") as caught:
+                model.generate(messages=[{"role": "user", "content": content}], max_tokens=2)
+            assert "\n" not in str(caught.value)
+        assert model.generate(messages=[{"role": "user", "content": "hi"}], max_tokens=2).prompt_ids
+    finally:
+        model.close()

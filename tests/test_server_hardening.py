@@ -568,3 +568,27 @@ def test_a_temperature_that_overflows_the_logits_is_400(fast, path, body):
     assert answer["error"]["param"] == "temperature" and "at least 1e-269" in answer["error"]["message"]
     status, _, answer = request(port, "POST", path, {**body, "temperature": 1e-269})
     assert status == 200, answer
+
+
+def test_a_chat_template_past_its_limits_is_a_400_and_the_server_keeps_serving(llama_bundle, tmp_path):
+    import shutil
+
+    from tests.test_manifest import BOMB_ON_REQUEST
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(llama_bundle, bundle)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["tokenizer"]["chat_template"] = BOMB_ON_REQUEST
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    m = Model.load(bundle, engine_config=EngineConfig(provider="cpu", threads=1, drafter="none", calibrate=False))
+    try:
+        with serving(m) as (_, port, _uv):
+            for content, stream in (("boom", False), ("loop", True)):
+                body = {"messages": [{"role": "user", "content": content}], "max_tokens": 2, "stream": stream}
+                status, _, answer = request(port, "POST", "/v1/chat/completions", body)
+                assert status == 400 and answer["error"]["param"] == "messages", answer
+                assert "over its limit" in answer["error"]["message"]
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            assert request(port, "POST", "/v1/chat/completions", body)[0] == 200
+    finally:
+        m.close()
