@@ -162,6 +162,11 @@ def load_facts(provider: str) -> tuple[KernelFact, ...]:
     return tuple(facts)
 
 
+def input_dim_limit(provider: str) -> int | None:
+    """The largest dimension a node input may have on `provider` (its input_shape kernel fact), or None."""
+    return next((f.max_dim for f in load_facts(provider) if f.rule == "input_shape"), None)
+
+
 def _elem_names() -> dict[int, str]:
     from onnx import TensorProto
 

@@ -14,7 +14,7 @@ from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 import torch
 from torch import nn
 
-from edge_spec import names
+from edge_spec import names, placement
 from export.static_cache import StageModule
 
 
@@ -245,6 +245,12 @@ def merge_parallel_matmuls(model: onnx.ModelProto, weights: StageWeights) -> int
     along K per output column, so the quantized weights are the same numbers either way.
     """
     graph = model.graph
+    # Masked graphs (Core ML's, and DirectML's) keep each merged weight within the Core ML EP's
+    # input limit (a kernel fact): Qwen2.5-1.5B's gate/up would be 17,920 wide. So do graphs
+    # without layers, whose only parallel MatMuls are an LM head cut into slices for that limit.
+    inputs = {i.name for i in graph.input}
+    limited = names.ATTENTION_BIAS in inputs or not any(name.startswith("past_") for name in inputs)
+    width = placement.input_dim_limit("coreml") if limited else None
     initializers = {t.name: t for t in graph.initializer}
     uses: dict[str, int] = defaultdict(int)
     for node in graph.node:
@@ -264,7 +270,7 @@ def merge_parallel_matmuls(model: onnx.ModelProto, weights: StageWeights) -> int
             continue
         nodes = [graph.node[i] for i in members]
         sources = [initializers[n.input[1]] for n in nodes]  # each [K, N_i]
-        if len({(t.dims[0], t.data_type) for t in sources}) != 1:
+        if len({(t.dims[0], t.data_type) for t in sources}) != 1 or (width and sum(t.dims[1] for t in sources) > width):
             continue
         stem = nodes[0].output[0] + ".merged"
         merged = onnx.TensorProto(name=stem + ".weight", data_type=sources[0].data_type, dims=[sources[0].dims[0], sum(t.dims[1] for t in sources)])

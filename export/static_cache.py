@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from edge_spec import names
+from edge_spec import names, placement
 
 
 class _GroupQueryAttention(torch.autograd.Function):
@@ -112,6 +112,9 @@ class StageModule(nn.Module):
 
         self.attention = attention
         self.fused_norm = fused_norm
+        # Masked float32 graphs are the Core ML EP's, which takes no node input wider than its
+        # limit (a kernel fact): the embedding and the LM head are written in slices within it.
+        self.width = placement.input_dim_limit("coreml") if attention == "masked" and not fused_norm else None
         config = hf_model.config
         self.spec = spec = arch_for(config)
         inner = hf_model.model
@@ -144,6 +147,22 @@ class StageModule(nn.Module):
                 self.register_buffer("sin_cache" + suffix, angles.sin() * scaling, persistent=False)
         if embed:
             self.embed_tokens = inner.embed_tokens  # transformers' module: Gemma's sqrt(hidden) scale included
+            self.embed_slices = self.embed_height = 0
+            table = self.embed_tokens.weight.detach()
+            if self.width and table.shape[0] > self.width:
+                # The table in row slices of equal height (the last padded with zero rows), as
+                # parameters: traced as initializers of their own (a slice taken in forward is not
+                # folded right by the tracer); a one-hot row choosing each, as a small buffer.
+                self.embed_slices = -(-table.shape[0] // self.width)
+                self.embed_height = height = -(-table.shape[0] // self.embed_slices)
+                tables = []
+                for k, pick in enumerate(torch.eye(self.embed_slices)):
+                    rows = table[k * height : (k + 1) * height]
+                    if rows.shape[0] < height:
+                        rows = torch.cat([rows, rows.new_zeros(height - rows.shape[0], rows.shape[1])])
+                    tables.append(nn.Parameter(rows, requires_grad=False))
+                    self.register_buffer(f"embed_pick_{k}", pick.clone(), persistent=False)
+                self.embed_tables = nn.ParameterList(tables)
         if head:
             self.norm = inner.norm
             # A separate, pre-transposed copy so the graph has MatMul(h, W) with W an initializer
@@ -151,7 +170,12 @@ class StageModule(nn.Module):
             weight = hf_model.lm_head.weight.detach()
             # Gathered, not sliced, for a trimmed head; a tied embedding keeps every row for the input side.
             weight = weight[:vocab_rows] if head_tokens is None else weight[torch.as_tensor(head_tokens, dtype=torch.int64)]  # [vocab | kept, hidden]
-            self.lm_head_t = nn.Parameter(weight.t().contiguous(), requires_grad=False)  # [hidden, vocab]: a copy (a transpose is not contiguous)
+            # [hidden, vocab]: a copy (a transpose is not contiguous); past the width limit, column
+            # slices of equal width, each its own MatMul (a slice taken in forward folds wrong).
+            size = -(-weight.shape[0] // -(-weight.shape[0] // self.width)) if self.width and weight.shape[0] > self.width else weight.shape[0]
+            self.lm_head_parts = nn.ParameterList(
+                nn.Parameter(weight[start : start + size].t().contiguous(), requires_grad=False) for start in range(0, weight.shape[0], size)
+            )
 
     def rope_table(self, index: int, name: str) -> torch.Tensor:
         return getattr(self, name + ("" if index == 0 else f"_{index}"))
@@ -206,11 +230,27 @@ class StageModule(nn.Module):
         return mlp.down_proj(gelu * mlp.up_proj(x))
 
     def logits(self, h, norm=None):
-        weight = self.lm_head_t if self.lm_head_t.dtype == h.dtype else self.lm_head_t.to(h.dtype)
-        h = torch.matmul((norm or self._rms_norm)(self.norm, h), weight)  # [1,N,vocab]
+        """[1,N,vocab]: one MatMul (and soft-cap) per slice of the head, concatenated."""
+        h = (norm or self._rms_norm)(self.norm, h)
+        parts = [torch.matmul(h, w if w.dtype == h.dtype else w.to(h.dtype)) for w in self.lm_head_parts]
         if self.softcap:
-            h = torch.tanh(h / self.softcap) * self.softcap
-        return h
+            parts = [torch.tanh(p / self.softcap) * self.softcap for p in parts]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+    def embedding(self, x):
+        """transformers' embedding of ids [1,T], or, from the table's slices, each row taken from
+        slice id // height at id % height and kept by a one-hot gather of the slice index (the
+        Core ML EP builds no comparison)."""
+        if not self.embed_slices:
+            return self.embed_tokens(x)
+        part = torch.div(x, self.embed_height, rounding_mode="trunc")  # [1,T]: ids are never negative
+        local = x - part * self.embed_height
+        h = 0
+        for k in range(self.embed_slices):
+            pick = getattr(self, f"embed_pick_{k}").to(self.embed_tokens.weight.dtype)
+            h = h + nn.functional.embedding(local, self.embed_tables[k]) * pick[part].unsqueeze(-1)
+        scale = getattr(self.embed_tokens, "embed_scale", None)  # Gemma's sqrt(hidden)
+        return h if scale is None else h * scale.to(h.dtype)
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -272,7 +312,7 @@ class StageModule(nn.Module):
         return attn.o_proj(out), present_key, present_value
 
     def forward(self, x, position, logit_positions, *past):
-        h = self.embed_tokens(x) if self.embed else x  # [1,T,hidden]
+        h = self.embedding(x) if self.embed else x  # [1,T,hidden]
         block = h.shape[1]
         new_kv = []
         if len(self.layers) and self.attention == "fused":

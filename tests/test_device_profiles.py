@@ -293,20 +293,23 @@ def test_check_cli(bundles, cuda_bundles, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def wide_coreml_bundle(tmp_path_factory, tiny_models):
-    """--device coreml graphs of a one-layer Llama whose merged gate/up projection is 16,400
-    wide, as Qwen2.5-1.5B's (17,920) is: past the Core ML EP's 16,384 input limit."""
+def wide_coreml(tmp_path_factory, tiny_models) -> dict:
+    """A two-layer Llama as wide as the real ones where the Core ML EP stops: 16,400-wide merged
+    gate/up (Qwen2.5-1.5B's is 17,920) and a vocabulary past 16,384 rows (SmolLM2's 49,152), as
+    --device coreml graphs before the limit was a kernel fact ("old") and today ("new")."""
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     root = tmp_path_factory.mktemp("wide")
     tok = AutoTokenizer.from_pretrained(tiny_models.llama)
-    config = tiny.llama_config(len(tok), n_layers=1)
+    config = tiny.llama_config(16500, n_layers=2)
     config.intermediate_size = 8200
     torch.manual_seed(0)
     tiny._save(LlamaForCausalLM(config).eval(), tok, root / "model")
-    tiny.export(root / "model", root / "bundle", quant="fp32", attention=None, device="coreml")
-    return root / "bundle"
+    with tiny.coreml_graphs_without_slices():
+        tiny.export(root / "model", root / "old", quant="fp32", attention=None, device="coreml")
+    tiny.export(root / "model", root / "new", quant="fp32", drafts=("layer-skip:1",), attention=None, device="coreml")
+    return {"model": root / "model", "old": root / "old", "new": root / "new"}
 
 
 def test_check_names_what_directmls_kernels_would_compute_wrong(old_dml_bundle):
@@ -331,16 +334,38 @@ def test_check_names_what_directmls_kernels_would_compute_wrong(old_dml_bundle):
     assert all(len(f["source"]) > 10 for f in facts["com.microsoft::MatMulNBits"])
 
 
-def test_coreml_check_names_the_dimension_limit_and_the_nodes(wide_coreml_bundle, coreml_bundle):
-    proc = _run("runtime", "check", wide_coreml_bundle, "--provider", "coreml")
+def test_coreml_check_names_the_dimension_limit_and_the_nodes(wide_coreml, coreml_bundle):
+    old = wide_coreml["old"]
+    proc = _run("runtime", "check", old, "--provider", "coreml")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "dimension above 16384" in proc.stdout and "helper.cc@01960e769" in proc.stdout
-    report = check_bundle(load_manifest(wide_coreml_bundle), wide_coreml_bundle, "coreml")
+    report = check_bundle(load_manifest(old), old, "coreml")
     assert not report.misses
-    # The merged gate/up MatMul (its 64x16400 weight) and the Split of its output.
-    assert {f.op for f in report.facts} == {"ai.onnx::MatMul", "ai.onnx::Split"}
-    assert all("16400" in f.detail and f"{f.node} (input " in proc.stdout for f in report.facts)
+    by_input = {f.detail.split(" is ")[-1] for f in report.facts}
+    # The embedding's Gather (16500x64 table), the LM head's MatMul (64x16500), the merged gate/up
+    # MatMul (64x16400) and the Split of its output.
+    assert {"16500x64", "64x16500", "64x16400", "1x?x16400"} <= by_input
+    assert {f.op for f in report.facts} == {"ai.onnx::Gather", "ai.onnx::MatMul", "ai.onnx::Split"}
+    assert all(f"{f.node} (input " in proc.stdout for f in report.facts)
     assert check_bundle(load_manifest(coreml_bundle), coreml_bundle, "coreml").ok  # narrow tensors: every node placed
+
+
+def test_coreml_graphs_slice_what_is_wider_than_the_limit(wide_coreml):
+    """Today's --device coreml graphs: the table and the head in slices of at most 16384, gate/up
+    unmerged; every node places, and the logits are transformers' (a multi-token pass after a
+    cache included), speculation exact."""
+    new = wide_coreml["new"]
+    proc = _run("runtime", "check", new, "--provider", "coreml")
+    assert proc.returncode == 0, proc.stdout
+    model, tokenizer = tiny.load_hf(wide_coreml["model"])
+    ids = tokenizer(" ".join([tiny.PROMPT] * 2)).input_ids + [16499, 16384, 8250, 8249]  # ids in every slice, at the edges
+    reference = tiny.hf_logits(model, ids)
+    engine = _cpu_engine(new)
+    logits = np.concatenate([engine.target.forward(ids[:9]), engine.target.forward(ids[9:])])
+    np.testing.assert_allclose(logits, reference, atol=1e-4, rtol=1e-4)
+    config = GenerateConfig(max_new_tokens=16)
+    plain = _cpu_engine(new).generate(ids[:12], config).token_ids
+    assert _cpu_engine(new, "layer-skip", 3).generate(ids[:12], config).token_ids == plain
 
 
 def test_cuda_gather_block_quantized_needs_onnxruntime_1_23(cuda_bundles):

@@ -293,3 +293,17 @@ def old_dml_profile():
         yield
     finally:
         PROFILES["dml"] = saved
+
+
+@contextlib.contextmanager
+def coreml_graphs_without_slices():
+    """--device coreml graphs as they were before the Core ML EP's input limit was a kernel fact:
+    the embedding, LM head and merged gate/up whole, however wide."""
+    from edge_spec import placement
+
+    saved = placement.input_dim_limit
+    placement.input_dim_limit = lambda provider: None
+    try:
+        yield
+    finally:
+        placement.input_dim_limit = saved
