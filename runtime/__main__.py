@@ -64,6 +64,16 @@ def _temperature(high: float):
     return parse
 
 
+def _text(text: str) -> str:
+    """An argparse type: text that was UTF-8 on the command line (Python keeps other bytes as lone
+    surrogates, which no tokenizer takes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(f"is not UTF-8 text (it starts {text.encode('utf-8', 'surrogateescape')[:16]!r})") from None
+    return text
+
+
 def _gamma(text: str) -> str:
     if text == "auto":
         return text
@@ -131,7 +141,7 @@ def _memory_budget_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def _prompt_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--prompt", required=True, type=_text)
     parser.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     parser.add_argument("--temperature", type=_temperature(100.0), default=0.0)
     parser.add_argument("--top-k", type=_integer(0), default=0)
@@ -258,6 +268,10 @@ def cmd_bench(args) -> int:
                          "package; run it from the checkout's root (or with it on PYTHONPATH)") from None
 
     out = Path(args.out)
+    try:  # before the run: a folder that cannot be made would otherwise fail only once it is over
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"cannot create --out {out}: {exc.strerror or exc}") from None
     if args.micro:
         save_micro(run_micro(args.bundle, MicroConfig(kv_len=args.kv_len, provider=args.provider, threads=args.threads)), out)
     else:
@@ -327,6 +341,9 @@ def cmd_plan(args) -> int:
     from runtime.bundle import open_bundle
 
     bundle = open_bundle(args.bundle, check_hashes=False)
+    max_context = bundle.manifest.target.arch.max_context
+    if args.context is not None and args.context > max_context:
+        raise ValueError(f"--context {args.context} is more than the bundle's max context of {max_context} tokens")
     plan = plan_bundle(bundle.manifest, bundle.path, args.draft, args.memory_budget, args.max_gamma, args.context)
     print(json.dumps(plan.to_dict()) if args.json else plan.table())
     return 0 if plan.fits else 1
@@ -400,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     _prompt_args(gen)
     gen.add_argument("--max-new-tokens", type=_integer(1), default=256)
     gen.add_argument("--seed", type=_integer(0, 2**63 - 1))
-    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--stop", action="append", type=_text, help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _memory_budget_arg(gen)
     gen.set_defaults(func=cmd_generate)
@@ -468,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
 
     chat = sub.add_parser("chat", help="chat in the terminal, with the bundle's chat template and history")
     _engine_args(chat)
-    chat.add_argument("--system", help="system prompt")
+    chat.add_argument("--system", type=_text, help="system prompt")
     chat.add_argument("--max-new-tokens", type=_integer(1), default=512)
     chat.add_argument("--temperature", type=_temperature(100.0), default=0.7)
     chat.add_argument("--top-k", type=_integer(0), default=0)

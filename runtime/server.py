@@ -39,7 +39,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from edge_spec.sampling import SettingError
+from edge_spec.sampling import SettingError, shown
 from runtime.api import Job, Model, ModelClosedError, Options, QueueFullError, QueueTimeoutError
 from runtime.engine import Prompt, PromptTooLongError
 from runtime.requests import check_messages, check_text
@@ -378,9 +378,9 @@ def _integer(body: dict, name: str, default, low: int | None = None, high: int |
         else:
             raise _type_error(name, "an integer", value)
     if low is not None and value < low:
-        raise _value_error(name, f"{name} must be >= {low}, got {value}")
+        raise _value_error(name, f"{name} must be >= {low}, got {shown(value)}")
     if high is not None and value > high:
-        raise _value_error(name, high_message or f"{name} must be <= {high}, got {value}")
+        raise _value_error(name, high_message or f"{name} must be <= {high}, got {shown(value)}")
     return value
 
 
@@ -404,13 +404,18 @@ def _boolean(body: dict, name: str, default: bool) -> bool:
     return value
 
 
+def _neutral(value, values) -> bool:
+    """value is one of values, of the same type: true is not 1 (as in Python) here."""
+    return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in values)
+
+
 def _check_fields(body: dict, allowed: set[str]) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:
-        raise ApiError(400, f"Unrecognized request argument supplied: {', '.join(unknown)}", param=unknown[0],
-                       code="unknown_parameter")
+        raise ApiError(400, f"Unrecognized request argument supplied: {', '.join(unknown)[:80]}",
+                       param=unknown[0][:40], code="unknown_parameter")
     for name, values in _COMMON_INERT.items():
-        if name in body and body[name] is not None and body[name] not in values:
+        if name in body and body[name] is not None and not _neutral(body[name], values):
             raise _value_error(name, f"{name}={json.dumps(body[name])[:40]} is not supported by this server "
                                      f"(leave it out or use {json.dumps(values[0])})")
 
@@ -585,6 +590,14 @@ class Server:
             raise ApiError(401, "Incorrect API key provided", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     async def _json_body(self, request: Request) -> dict:
+        media, _, parameters = request.headers.get("content-type", "").partition(";")
+        charset = re.search(r"charset\s*=\s*\"?([^\";\s]+)", parameters, re.IGNORECASE)
+        if media.strip().lower() != "application/json" or (charset and charset.group(1).lower() not in ("utf-8", "utf8")):
+            raise ApiError(415, f"send the body as Content-Type: application/json (UTF-8), not "
+                                f"{request.headers.get('content-type', 'none')[:60]!r}", code="unsupported_media_type")
+        if request.headers.get("content-encoding", "identity").strip().lower() != "identity":
+            raise ApiError(415, f"Content-Encoding {request.headers['content-encoding'][:40]!r} is not accepted: send the "
+                                "body uncompressed", code="unsupported_media_type")
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > self.max_body_bytes:
             raise ApiError(413, f"request body is over {self.max_body_bytes} bytes", code="request_too_large")
@@ -602,13 +615,17 @@ class Server:
             raise ValueError(f"{name} is not valid JSON")
 
         try:
-            body = json.loads(b"".join(chunks), parse_constant=no_constants)
+            # Decoded here: json.loads would take UTF-16 and UTF-32 bytes as well.
+            body = json.loads(b"".join(chunks).decode("utf-8"), parse_constant=no_constants)
         except RecursionError:
             raise ApiError(400, f"the JSON body is nested too deeply (at most {MAX_JSON_DEPTH} levels)",
                            code="invalid_json") from None
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"We could not parse the JSON body of your request ({exc}); send a JSON object "
-                                "with Content-Type: application/json", code="invalid_json") from None
+        except UnicodeDecodeError:
+            raise ApiError(400, "the request body is not UTF-8 text; send a JSON object encoded as UTF-8",
+                           code="invalid_json") from None
+        except ValueError as exc:
+            raise ApiError(400, f"We could not parse the JSON body of your request ({str(exc)[:120]}); send a JSON "
+                                "object with Content-Type: application/json", code="invalid_json") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
         _check_tree(body)
@@ -629,7 +646,7 @@ class Server:
         max_tokens = None
         for name in token_names:
             max_tokens = _integer(body, name, None, 1, context,
-                                  f"{name} is too large: {body.get(name)}. This model's context holds {context} tokens, "
+                                  f"{name} is too large: {shown(body.get(name))}. This model's context holds {context} tokens, "
                                   "prompt included")
             if max_tokens is not None:
                 break
@@ -715,7 +732,7 @@ class Server:
     async def _parse_chat(self, body: dict) -> Parsed:
         _check_fields(body, CHAT_FIELDS)
         self._check_model(body)
-        if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
+        if body.get("logprobs") not in (None, False) or not _neutral(body.get("top_logprobs"), (None, 0)):
             raise _value_error("logprobs", "logprobs are not supported by this server")
         if body.get("tools") not in (None, []) or body.get("tool_choice") not in (None, "none"):
             raise _value_error("tools", "tool calls are not supported by this server")

@@ -296,3 +296,22 @@ def test_real_weights_manifest_max_context_checked_against_the_graphs(tmp_path):
     (copy / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(BundleError, match="manifest says max_context"):
         Engine(copy, EngineConfig(provider="cpu", drafter="none", calibrate=False, check_hashes=False))
+
+
+def test_plan_context_beyond_the_bundle(llama_bundle):
+    line = _error_line(_run("runtime", "plan", llama_bundle, "--context", str(10**12)), only_line=True)
+    assert "--context 1000000000000 is more than the bundle's max context of 64 tokens" in line
+
+
+def test_prompt_that_is_not_utf8(llama_bundle):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    for flag in ("--prompt", "--stop"):
+        args = [b"--prompt", b"x", flag, b"\xff\xfe"] if flag == "--stop" else [flag, b"\xff\xfe"]
+        proc = subprocess.run([sys.executable.encode(), b"-m", b"runtime", b"generate", str(llama_bundle).encode(), *args],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert f"{flag}: is not UTF-8 text" in _error_line(proc, only_line=True)
+
+
+def test_bench_out_that_cannot_be_made(llama_bundle):
+    line = _error_line(_run("runtime", "bench", llama_bundle, "--out", "/proc/x", "--quiet"), only_line=True)
+    assert "cannot create --out /proc/x" in line

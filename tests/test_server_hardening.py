@@ -592,3 +592,66 @@ def test_a_chat_template_past_its_limits_is_a_400_and_the_server_keeps_serving(l
             assert request(port, "POST", "/v1/chat/completions", body)[0] == 200
     finally:
         m.close()
+
+
+def _post_raw(port: int, body: bytes, headers: dict) -> tuple[int, dict]:
+    """POST /v1/completions with exactly these headers (and the key): no Content-Type unless given."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.putrequest("POST", "/v1/completions")
+        for name, value in {"Authorization": f"Bearer {KEY}", "Content-Length": str(len(body)), **headers}.items():
+            conn.putheader(name, value)
+        conn.endheaders(body)
+        response = conn.getresponse()
+        return response.status, json.loads(response.read() or b"null")
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("headers, status", [
+    ({}, 415),
+    ({"Content-Type": "text/plain"}, 415),
+    ({"Content-Type": "application/x-www-form-urlencoded"}, 415),
+    ({"Content-Type": "application/json; charset=utf-16"}, 415),
+    ({"Content-Type": "application/json", "Content-Encoding": "gzip"}, 415),
+    ({"Content-Type": "application/json; charset=UTF-8"}, 200),
+    ({"Content-Type": "Application/JSON"}, 200),
+])
+def test_only_json_bodies_are_read(fast, headers, status):
+    _, port = fast
+    got, body = _post_raw(port, json.dumps(BODY).encode(), headers)
+    assert got == status, body
+    if status == 415:
+        assert body["error"]["code"] == "unsupported_media_type"
+
+
+def test_a_utf16_body_is_not_json_here(fast):
+    _, port = fast
+    for encoding in ("utf-16", "utf-32"):
+        got, body = _post_raw(port, json.dumps(BODY).encode(encoding), {"Content-Type": "application/json"})
+        assert got == 400 and body["error"]["code"] == "invalid_json", body
+
+
+@pytest.mark.parametrize("field, value", [
+    ("n", True), ("best_of", True), ("presence_penalty", False), ("frequency_penalty", False), ("n", 2),
+])
+def test_booleans_are_not_the_neutral_numbers(fast, field, value):
+    _, port = fast
+    status, _, body = request(port, "POST", "/v1/completions", {**BODY, field: value})
+    assert status == 400 and body["error"]["param"] == field, body
+    assert request(port, "POST", "/v1/completions", {**BODY, field: 1 if field in ("n", "best_of") else 0})[0] == 200
+
+
+@pytest.mark.parametrize("extra", [
+    {"seed": int("9" * 4300)},
+    {"max_tokens": int("9" * 4300)},
+    {"top_k": -int("9" * 4300)},
+    {"x" * 100_000: 1},
+    {"messages": 1, "prompt": None, "y" * 50_000: 2},
+])
+def test_errors_echo_only_a_short_prefix_of_the_input(fast, extra):
+    _, port = fast
+    raw = json.dumps({**BODY, **extra}).encode()
+    status, _, body = request(port, "POST", "/v1/completions", raw)
+    assert status == 400, body
+    assert len(json.dumps(body)) < 400, len(json.dumps(body))
