@@ -309,9 +309,11 @@ def _fact_applies(fact: KernelFact, node, shapes: dict[str, tuple], onnxruntime:
                 return f"input {name} is {dims}"
         return None
     if fact.rule == "min_onnxruntime":
-        if onnxruntime and version_key(onnxruntime) < version_key(fact.version):
-            return f"onnxruntime {onnxruntime}"
-        return None
+        try:
+            older = bool(onnxruntime) and version_key(onnxruntime) < version_key(fact.version)
+        except PlacementError:  # an installed build's odd version string: nothing to compare
+            older = False
+        return f"onnxruntime {onnxruntime}" if older else None
     raise PlacementError(f"no check for kernel fact rule {fact.rule!r}")
 
 

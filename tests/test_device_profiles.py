@@ -382,6 +382,20 @@ def test_cuda_gather_block_quantized_needs_onnxruntime_1_23(cuda_bundles):
     assert "not an onnxruntime version" in _error_line(_run("runtime", "check", bundle, "--provider", "cuda", "--onnxruntime", "latest"))
 
 
+def test_cuda_refuses_an_int4_bundle_on_an_onnxruntime_without_its_kernel(cuda_bundles, monkeypatch):
+    """The loader checks against the installed release (a Jetson's 1.22 here, faked); an odd
+    version string is no reason to refuse."""
+    import runtime.loader as loader_module
+    from runtime.sessions import ProviderChoice
+
+    monkeypatch.setattr(loader_module, "resolve_provider", lambda name, allow: ProviderChoice("cuda", "cuda", ("CUDAExecutionProvider",)))
+    monkeypatch.setattr(loader_module, "open_session", lambda *a, **k: pytest.fail("a session was opened"))
+    monkeypatch.setattr(loader_module.ort, "__version__", "1.22.0")
+    with pytest.raises(BundleError, match=r"cannot run on cuda: .*GatherBlockQuantized.*onnxruntime 1\.23\.0"):
+        Engine(cuda_bundles["qwen2-int4"], EngineConfig(provider="cuda", drafter="none", calibrate=False))
+    assert check_bundle(load_manifest(cuda_bundles["qwen2-int4"]), cuda_bundles["qwen2-int4"], "cuda", "nightly").ok
+
+
 def test_directml_refuses_the_bundle_its_kernels_would_compute_wrong(old_dml_bundle, monkeypatch):
     """On DirectML (faked as available) the loader refuses the fused dml bundle before any session."""
     import runtime.loader as loader_module
