@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import AsyncIterator, Iterator
 
 from edge_spec.sampling import SamplingConfig, SettingError, shown
-from runtime.engine import Engine, EngineConfig, GenerateConfig, GenerationResult, Prompt, PromptTooLongError
+from runtime.engine import Engine, EngineConfig, GenerateConfig, GenerationResult, Prompt, PromptTooLongError, Speculation
 from runtime.stats import summarize
 
 STOP_REASONS = ("eos", "stop", "length", "context", "cancelled")
@@ -71,6 +71,9 @@ class Options:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # Which drafter and γ cap this request decodes with (a Speculation or {"drafter", "max_gamma"});
+    # None: the Model's own. Checked against the bundle at submit.
+    speculation: Speculation | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -81,13 +84,14 @@ class Options:
         if not all(isinstance(s, str) and s for s in stop):
             raise SettingError("stop", f"stop must be non-empty strings, got {shown(self.stop)}")
         object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "speculation", Speculation.of(self.speculation))
         self.sampling()  # validates temperature, top_k, top_p, seed
 
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(self.temperature, self.top_k, self.top_p, self.seed)
 
     def generate_config(self) -> GenerateConfig:
-        return GenerateConfig(self.max_tokens, self.sampling(), self.stop)
+        return GenerateConfig(self.max_tokens, self.sampling(), self.stop, self.speculation)
 
 
 @dataclass(frozen=True)
@@ -583,6 +587,7 @@ class Model:
             raise ValueError("pass either options or individual settings, not both")
         if options is None:
             options = Options(**settings)
+        self.engine.check_speculation(options.speculation)
         checked = self.check_prompt(prompt_ids if prompt_ids is not None else self.encode(prompt=prompt, messages=messages))
         try:
             job = Job(self, checked, options, cancel)
@@ -623,5 +628,5 @@ class Model:
 
 __all__ = [
     "Chunk", "GenerationResult", "Job", "Model", "ModelClosedError", "Options", "Prompt", "PromptTooLongError",
-    "QueueFullError", "QueueTimeoutError", "EngineConfig",
+    "QueueFullError", "QueueTimeoutError", "EngineConfig", "Speculation",
 ]

@@ -18,10 +18,10 @@ import numpy as np
 
 from edge_spec.commit import commit, stop_prefix_len
 from edge_spec.manifest import BundleError
-from edge_spec.sampling import SamplingConfig, shown
+from edge_spec.sampling import SamplingConfig, SettingError, shown
 from runtime.drafters.base import Drafter, Remembers, parts
 from runtime.calibration import calibrate, calibrated
-from runtime.gamma import CostModel, GammaConfig
+from runtime.gamma import MAX_GAMMA, CostModel, GammaConfig
 from runtime.kv_cache import KVCache
 from runtime.loader import DRAFTERS, Loader
 from runtime.loop import Step, decode_steps
@@ -127,16 +127,51 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class Speculation:
+    """One request's speculation: a drafter the bundle has (Engine.available_drafters(); "none"
+    decodes plainly) and a cap on γ; None keeps the Engine's own choice. Greedy output does not
+    depend on it with fp32 bundles or in block-stable mode; it changes only the speed."""
+
+    drafter: str | None = None
+    max_gamma: int | None = None
+
+    def __post_init__(self):
+        if self.drafter is not None and not isinstance(self.drafter, str):
+            raise SettingError("speculation.drafter", f"speculation.drafter must be a string such as 'none', 'lookup' "
+                                                      f"or 'model', got {shown(self.drafter)}", code="invalid_type")
+        if self.max_gamma is not None and (isinstance(self.max_gamma, bool) or not isinstance(self.max_gamma, int)
+                                           or not 1 <= self.max_gamma <= MAX_GAMMA):
+            raise SettingError("speculation.max_gamma", f"speculation.max_gamma must be an integer 1..{MAX_GAMMA}, "
+                                                        f"got {shown(self.max_gamma)}")
+
+    @classmethod
+    def of(cls, value) -> "Speculation | None":
+        """A Speculation from itself, None or a {"drafter", "max_gamma"} mapping (the server's JSON)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise SettingError("speculation", f'speculation must be an object like {{"drafter": "none"}}, got {shown(value)}',
+                               code="invalid_type")
+        unknown = sorted(str(k) for k in value if k not in ("drafter", "max_gamma"))
+        if unknown:
+            raise SettingError(f"speculation.{unknown[0][:40]}", f"speculation takes drafter and max_gamma, not "
+                                                                 f"{', '.join(unknown)[:80]}", code="unknown_parameter")
+        return cls(value.get("drafter"), value.get("max_gamma"))
+
+
+@dataclass(frozen=True)
 class GenerateConfig:
     max_new_tokens: int = 256
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop: tuple[str, ...] = ()
+    speculation: Speculation | None = None  # None: the Engine's drafter and γ
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        object.__setattr__(self, "speculation", Speculation.of(self.speculation))
 
 
 @dataclass
@@ -149,6 +184,7 @@ class GenerationResult:
     stats: Stats
     rounds: tuple[tuple[int, int], ...] = ()  # (drafted, accepted) per target pass, in order
     steps: tuple[Step, ...] = ()  # what the loop yielded, one per target pass, in order
+    speculation: dict = field(default_factory=dict)  # what decoded it: drafter, gamma ("auto" or N), max_gamma
 
 
 class Engine:
@@ -223,6 +259,38 @@ class Engine:
             if self.config.calibrate and not calibrated(self.costs, self.drafter):
                 self.calibrate()
 
+    def available_drafters(self) -> tuple[str, ...]:
+        """The drafters a request may choose on this bundle: model and layer-skip need their roles."""
+        models = self.bundle.manifest.models
+        needs = {"model": "draft", "layer-skip": "layer_skip"}
+        return tuple(kind for kind in DRAFTERS if needs.get(kind, "target") in models)
+
+    def check_speculation(self, speculation: Speculation | None) -> None:
+        """SettingError unless this bundle has the drafter and the γ cap is within the Engine's max_gamma
+        (start-up calibration timed target passes up to that)."""
+        if speculation is None:
+            return
+        available = self.available_drafters()
+        if speculation.drafter is not None and speculation.drafter not in available:
+            raise SettingError("speculation.drafter", f"drafter {shown(speculation.drafter)} is not one this bundle has; "
+                                                      f"choose from {', '.join(available)}")
+        if speculation.max_gamma is not None and speculation.max_gamma > self.config.max_gamma:
+            raise SettingError("speculation.max_gamma", f"speculation.max_gamma must be 1..{self.config.max_gamma} (the "
+                                                        f"engine's max_gamma), got {speculation.max_gamma}")
+
+    def _request_drafter(self, speculation: Speculation | None) -> tuple[str, Drafter | None, GammaConfig]:
+        """The drafter and γ config one generation runs with (called holding the Engine); a
+        drafter first chosen by a request is made and calibrated here, once."""
+        kind = speculation.drafter if speculation is not None and speculation.drafter is not None else self.config.drafter
+        if kind not in self._drafters:
+            self._drafters[kind] = self._make_drafter(kind)
+        drafter = self._drafters[kind]
+        if self.config.calibrate and not calibrated(self.costs, drafter):
+            calibrate(self.target, drafter, self.costs, self.bundle.manifest.tokenizer.eos_token_ids[0], self.config.max_gamma)
+        cap = self.config.max_gamma if speculation is None or speculation.max_gamma is None else speculation.max_gamma
+        fixed = None if self.config.gamma is None else min(self.config.gamma, cap)
+        return kind, drafter, GammaConfig(fixed=fixed, max_gamma=cap)
+
     def forget(self) -> None:
         """Drop what every drafter keeps from earlier sequences (the suffix cache)."""
         with self._held():
@@ -262,13 +330,18 @@ class Engine:
         cancel: an Event another thread may set; generation then stops after the current
         target pass and the result's stop_reason is "cancelled"."""
         prompt_ids = self.check_prompt(prompt_ids)
+        self.check_speculation(config.speculation)
         if self._owner == threading.get_ident():
             raise RuntimeError("this Engine is already generating on this thread (generate or stream inside a stream "
                                "of the same Engine would wait for itself forever); finish or close that stream first")
         self._acquire()
         try:
             self._owner = threading.get_ident()
-            for item in self._stream_locked(list(prompt_ids), config, self.drafter if speculative else None, cancel):
+            if speculative:
+                kind, drafter, gamma = self._request_drafter(config.speculation)
+            else:
+                kind, drafter, gamma = "none", None, GammaConfig(max_gamma=self.config.max_gamma)
+            for item in self._stream_locked(list(prompt_ids), config, drafter, cancel, gamma, kind):
                 self._idle_since = time.monotonic()
                 yield item
                 self._idle_since = None
@@ -294,7 +367,8 @@ class Engine:
                     "referenced?): read it to the end or close() it; runtime.api.Model queues requests and closes such "
                     "streams itself (EngineConfig(stream_idle_timeout=...))")
 
-    def _stream_locked(self, prompt_ids: list[int], config: GenerateConfig, drafter: Drafter | None, cancel: threading.Event | None = None):
+    def _stream_locked(self, prompt_ids: list[int], config: GenerateConfig, drafter: Drafter | None, cancel: threading.Event | None = None,
+                       gamma: GammaConfig | None = None, kind: str | None = None):
         rng = np.random.default_rng(config.sampling.seed)
         max_context = self.target.cache.max_context
         eos = self.tokenizer.eos_token_ids
@@ -304,7 +378,10 @@ class Engine:
         stop_reason = None
         began = time.perf_counter()
         first_step_at = None
-        policy = self.policy.start(drafter, config.max_new_tokens, GammaConfig(fixed=self.config.gamma, max_gamma=self.config.max_gamma))
+        gamma = gamma or GammaConfig(fixed=self.config.gamma, max_gamma=self.config.max_gamma)
+        used = {"drafter": kind or ("none" if drafter is None else self.config.drafter),
+                "gamma": "auto" if gamma.fixed is None else gamma.fixed, "max_gamma": gamma.max_gamma}
+        policy = self.policy.start(drafter, config.max_new_tokens, gamma)
         text = ""
         shown = 0  # characters of text streamed: the rest may start a stop string
         for step in decode_steps(self.target, drafter, prompt_ids, config.sampling, rng, policy):
@@ -328,7 +405,9 @@ class Engine:
         if len(text) > shown:  # a held-back tail that did not become a stop string
             yield text[shown:], None
         ended = time.perf_counter()
-        yield "", self._result(text, prompt_ids, generated, stop_reason, steps, began, first_step_at, ended)
+        result = self._result(text, prompt_ids, generated, stop_reason, steps, began, first_step_at, ended)
+        result.speculation = used
+        yield "", result
 
     def generate(
         self, prompt_ids: list[int], config: GenerateConfig = GenerateConfig(), speculative: bool = True,
@@ -346,4 +425,4 @@ class Engine:
         return GenerationResult(text, list(prompt_ids), generated, stop_reason or "length", stats.timings(), stats, rounds, tuple(steps))
 
 
-__all__ = ["Engine", "EngineConfig", "GenerateConfig", "GenerationResult", "BundleError", "Prompt", "PromptTooLongError", "Stats"]
+__all__ = ["Engine", "EngineConfig", "GenerateConfig", "Speculation", "GenerationResult", "BundleError", "Prompt", "PromptTooLongError", "Stats"]

@@ -63,7 +63,9 @@ _COMMON_INERT = {
     "logit_bias": ({},),
     "best_of": (1,),
 }
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "user"}
+# speculation (an extension): {"drafter": ..., "max_gamma": N} for this request; absent: the server's.
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "user",
+           "speculation"}
 # parse_special (an extension, as in llama.cpp's server): special-token strings in a raw prompt are
 # control tokens only when the caller asks; by default they are text.
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "logprobs", "parse_special"} | set(_COMMON_INERT)
@@ -549,8 +551,9 @@ class Server:
         finally:
             if self.config.access_log and access_log.isEnabledFor(logging.INFO):
                 client = scope.get("client") or ("-", 0)
-                access_log.info('%s:%s "%s %s HTTP/%s" %s %.1fms id=%s', client[0], client[1], scope["method"], scope["path"],
-                                scope.get("http_version", "1.1"), status[0] or 499, (time.perf_counter() - began) * 1e3, rid)
+                access_log.info('%s:%s "%s %s HTTP/%s" %s %.1fms id=%s%s', client[0], client[1], scope["method"], scope["path"],
+                                scope.get("http_version", "1.1"), status[0] or 499, (time.perf_counter() - began) * 1e3, rid,
+                                f" {scope['edge_spec.speculation']}" if "edge_spec.speculation" in scope else "")
 
     @staticmethod
     def request_id(request: Request) -> str:
@@ -659,8 +662,10 @@ class Server:
         if top_p == 0.0:  # the smallest nucleus: only the most likely token
             temperature, top_p = 0.0, 1.0
         try:  # Options is the API's own check (a temperature too small to scale the logits, ...)
-            return Options(max_tokens=max_tokens, temperature=temperature, top_k=max(top_k, 0), top_p=top_p, seed=seed,
-                           stop=_stop(body))
+            options = Options(max_tokens=max_tokens, temperature=temperature, top_k=max(top_k, 0), top_p=top_p, seed=seed,
+                              stop=_stop(body), speculation=body.get("speculation"))
+            self.model.engine.check_speculation(options.speculation)  # against the drafters this bundle has
+            return options
         except SettingError as exc:
             raise _setting_error(exc) from None
 
@@ -820,6 +825,9 @@ class Server:
                 raise ApiError(503, "the server is shutting down", type="server_error", code="shutting_down")
             body = await self._json_body(request)
             parsed = await parse(body)
+            chosen, engine = parsed.options.speculation, self.model.engine.config
+            request.scope["edge_spec.speculation"] = (f"drafter={(chosen and chosen.drafter) or engine.drafter} "
+                                                      f"max_gamma={(chosen and chosen.max_gamma) or engine.max_gamma}")
             job = self._submit(parsed)
         except ApiError as exc:
             self.metrics.request(endpoint, exc.status, time.perf_counter() - began)
@@ -895,7 +903,8 @@ class Server:
 
     @staticmethod
     def _speculative(result) -> dict:
-        return {"stop_reason": result.stop_reason, **result.stats.to_dict(), "timings": result.timings}
+        return {"stop_reason": result.stop_reason, **result.stats.to_dict(), "timings": result.timings,
+                "speculation": result.speculation}
 
     def _final_body(self, result, ident: str, chat: bool) -> dict:
         finish = FINISH_REASONS[result.stop_reason]

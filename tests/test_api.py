@@ -535,3 +535,56 @@ def test_an_event_loop_inside_a_sync_stream_is_refused_at_once(model):
 
     _bounded(scenario)
     assert model.generate("quick brown fox", max_tokens=2).stop_reason in ("length", "eos")
+
+
+# -- per-request speculation -------------------------------------------------------------------------
+
+def test_speculation_is_chosen_per_request_and_reported(model, plain):
+    expected = plain("the cat sat on", max_tokens=12)
+    assert set(model.engine.available_drafters()) == {"auto", "model", "layer-skip", "lookup", "suffix", "auto+suffix", "none"}
+    off = model.generate("the cat sat on", max_tokens=12, speculation={"drafter": "none"})
+    assert off.speculation["drafter"] == "none" and off.stats.drafted_tokens == 0
+    assert off.stats.target_passes == len(off.token_ids)  # plain: one token per pass
+    capped = model.generate("the cat sat on", max_tokens=12, speculation={"drafter": "model", "max_gamma": 1})
+    assert capped.speculation == {"drafter": "model", "gamma": "auto", "max_gamma": 1}
+    assert max((int(g) for g, _ in capped.stats.gamma_histogram), default=0) <= 1
+    default = model.generate("the cat sat on", max_tokens=12)
+    assert default.speculation["drafter"] == "auto" and default.speculation["max_gamma"] == 8
+    for result in (off, capped, default):
+        assert result.token_ids == expected.token_ids
+    with pytest.raises(ValueError, match="choose from auto, model, layer-skip, lookup, suffix, auto\\+suffix, none"):
+        model.submit("the cat", speculation={"drafter": "medusa"})  # at admission
+    for bad, fragment in (({"max_gamma": 9}, "1..8"), ({"max_gamma": True}, "integer"), ({"gamma": 2}, "not gamma"),
+                          ("none", "must be an object"), ({"drafter": 3}, "must be a string")):
+        with pytest.raises(ValueError, match=fragment):
+            model.generate("the cat", max_tokens=2, speculation=bad)
+
+
+def test_a_bundle_without_a_draft_model_does_not_offer_it(tiny_models, tmp_path):
+    from tiny import export
+
+    out = tmp_path / "plain"
+    export(tiny_models.llama, out)
+    m = Model.load(out, engine_config=EngineConfig(provider="cpu", threads=1, drafter="lookup", calibrate=False))
+    try:
+        assert "model" not in m.engine.available_drafters() and "layer-skip" not in m.engine.available_drafters()
+        with pytest.raises(ValueError, match="not one this bundle has; choose from auto, lookup, suffix, auto\\+suffix, none"):
+            m.generate("the cat", max_tokens=2, speculation={"drafter": "model"})
+    finally:
+        m.close()
+
+
+def test_block_stable_greedy_output_does_not_depend_on_the_requests_speculation(quant_bundles):
+    m = Model.load(quant_bundles["int8"], engine_config=EngineConfig(provider="cpu", threads=1, block_stable=True,
+                                                                     drafter="lookup", calibrate=False))
+    try:
+        for prompt in PROMPTS[:3]:
+            answers = {}
+            for spec in (None, {"drafter": "none"}, {"drafter": "lookup", "max_gamma": 1}, {"drafter": "suffix"},
+                         {"drafter": "auto", "max_gamma": 3}, {"max_gamma": 2}):
+                result = m.generate(prompt, max_tokens=16, speculation=spec)
+                answers[str(spec)] = (result.token_ids, result.speculation["drafter"])
+            assert len({tuple(ids) for ids, _ in answers.values()}) == 1, answers
+            assert {drafter for _, drafter in answers.values()} == {"none", "lookup", "suffix", "auto"}
+    finally:
+        m.close()

@@ -655,3 +655,35 @@ def test_errors_echo_only_a_short_prefix_of_the_input(fast, extra):
     status, _, body = request(port, "POST", "/v1/completions", raw)
     assert status == 400, body
     assert len(json.dumps(body)) < 400, len(json.dumps(body))
+
+
+# -- per-request speculation ---------------------------------------------------------------------------
+
+def test_speculation_is_chosen_per_request_and_reported(model, caplog):
+    with serving(model, ServerConfig()) as (_, port, _uv):
+        with caplog.at_level(logging.INFO, logger="edge_spec.access"):
+            plain = request(port, "POST", "/v1/completions", BODY)[2]
+            assert plain["speculative"]["speculation"]["drafter"] == "none"  # the server's default (this model's)
+            status, _, body = request(port, "POST", "/v1/completions", {**BODY, "speculation": {"drafter": "lookup",
+                                                                                                  "max_gamma": 2}},
+                                      headers={"X-Request-Id": "spec-1"})
+            assert status == 200 and body["speculative"]["speculation"] == {"drafter": "lookup", "gamma": "auto", "max_gamma": 2}
+            assert body["choices"][0]["text"] == plain["choices"][0]["text"]
+            status, _, raw = request(port, "POST", "/v1/chat/completions", {
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True,
+                "speculation": {"drafter": "none"}})
+            events = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
+            assert status == 200 and events[-1]["speculative"]["speculation"]["drafter"] == "none"
+            assert events[-1]["speculative"]["drafted_tokens"] == 0
+        lines = [r.getMessage() for r in caplog.records if r.name == "edge_spec.access"]
+        assert any("id=spec-1 drafter=lookup max_gamma=2" in line for line in lines), lines
+        for speculation, param, fragment in (
+            ({"drafter": "medusa"}, "speculation.drafter", "choose from auto, model, layer-skip, lookup, suffix, auto+suffix, none"),
+            ({"drafter": "lookup", "max_gamma": 99}, "speculation.max_gamma", "1..32"),
+            ({"drafter": "lookup", "max_gamma": 9}, "speculation.max_gamma", "1..8"),
+            ({"max_gamma": True}, "speculation.max_gamma", "integer"),
+            ({"draft": "none"}, "speculation.draft", "takes drafter and max_gamma"),
+            ("none", "speculation", "must be an object"),
+        ):
+            status, _, body = request(port, "POST", "/v1/completions", {**BODY, "speculation": speculation})
+            assert status == 400 and body["error"]["param"] == param and fragment in body["error"]["message"], body
