@@ -2,6 +2,7 @@
 python -m benchmarks ab OLD_BUNDLE NEW_BUNDLE [--blocks 1,5] [--kv-len 512] [--repeats 40] [--out FILE.json]
 python -m benchmarks op_profile BUNDLE [--blocks 1,2,4,8] [--kv-len 512] [--repeats 20] [--threads N] [--out FILE.json]
 python -m benchmarks fidelity MODEL BUNDLE... [--text FILE] [--ctx 512] [--out FILE.json]
+python -m benchmarks gguf_types FILE.gguf [--out FILE.json]
 python -m benchmarks spinning BUNDLE [--repeats 120] [--kv-len 512] [--out FILE.json]
 python -m benchmarks activations MODEL [--out FILE.json]
 python -m benchmarks greedy_stability BUNDLE... [--prompts SPEC] [--tokens N] [--modes M] [--out FILE.json]
@@ -77,6 +78,9 @@ def main() -> int:
     fidelity.add_argument("--ctx", type=int, default=512, help="tokens per chunk; the second half of each is scored")
     fidelity.add_argument("--chunks", type=int, default=8)
     fidelity.add_argument("--out", help="write the result as JSON here")
+    types = sub.add_parser("gguf_types", help="which of a GGUF's tensor types MatMulNBits holds exactly, and the bytes it reads then")
+    types.add_argument("gguf")
+    types.add_argument("--out", help="write the result as JSON here")
     summary = sub.add_parser("summary", help="summary.json (what BENCHMARKS.md cites) from each DIR/results.json")
     summary.add_argument("folders", nargs="+", metavar="DIR")
     args = parser.parse_args()
@@ -120,6 +124,11 @@ def main() -> int:
         from benchmarks.fidelity import DEFAULT_TEXT, measure
 
         rows = measure(args.model, args.bundles, args.text or DEFAULT_TEXT, args.ctx, args.chunks)
+    elif args.command == "gguf_types":
+        from benchmarks.gguf_types import analyse, table as types_table
+
+        rows = analyse(args.gguf)
+        print("\n".join(types_table(rows)))
     elif args.command == "ab":
         from benchmarks.ab_passes import compare as compare_passes
 

@@ -59,33 +59,44 @@ def weight_bytes(bundle: Path) -> dict:
 
 
 def measure(model: str, bundles: list[str], text: Path = DEFAULT_TEXT, ctx: int = 512, chunks: int = 8, log=print) -> dict:
+    """The reference's logits for every scored position first (then its weights go), then one
+    bundle at a time: the peak is the larger of the two models plus those logits."""
+    import gc
+
     import torch
 
     from export.sources import load_checkpoint
     from runtime.engine import Engine, EngineConfig
+    from edge_spec.manifest import load_manifest
+    from runtime.tokenizer import BundleTokenizer
 
-    engines = {b: Engine(b, EngineConfig(drafter="none", calibrate=False)) for b in bundles}
-    ids = np.asarray(next(iter(engines.values())).encode(prompt=text.read_text(), parse_special=False), dtype=np.int64)
+    info = load_manifest(bundles[0], check_hashes=False).tokenizer
+    tokenizer = BundleTokenizer(Path(bundles[0]) / info.file, info)
+    ids = np.asarray(tokenizer.encode(text.read_text(), parse_special=False), dtype=np.int64)
     chunks = min(chunks, len(ids) // ctx)
     if chunks < 1:
         raise ValueError(f"{text}: {len(ids)} tokens, fewer than one chunk of {ctx}")
-    checkpoint = load_checkpoint(model)
-    parts = {b: [] for b in bundles}
     first = ctx // 2
-    for c in range(chunks):
-        window = ids[c * ctx : (c + 1) * ctx]
-        targets = window[first + 1 :]
+    windows = [ids[c * ctx : (c + 1) * ctx] for c in range(chunks)]
+    checkpoint = load_checkpoint(model)
+    references = []
+    for c, window in enumerate(windows):
         with torch.no_grad():
-            reference = checkpoint.model(torch.from_numpy(window[None])).logits[0, first:-1].numpy()
-        for bundle, engine in engines.items():
-            engine.target.cache.reset()
-            logits = engine.target.forward(window)[first:-1]
-            parts[bundle].append(compare_logits(reference, logits, targets))
-        log(f"chunk {c + 1}/{chunks}")
+            references.append(checkpoint.model(torch.from_numpy(window[None])).logits[0, first:-1].numpy().copy())
+        log(f"reference chunk {c + 1}/{chunks}")
+    del checkpoint
+    gc.collect()
     rows = {}
-    for bundle, engine in engines.items():
+    for bundle in bundles:
+        engine = Engine(bundle, EngineConfig(drafter="none", calibrate=False))
+        parts = []
+        for window, reference in zip(windows, references):
+            engine.target.cache.reset()
+            parts.append(compare_logits(reference, engine.target.forward(window)[first:-1], window[first + 1 :]))
         info = engine.bundle.manifest.target
         rows[bundle] = {"quant": info.quant, "block_size": info.block_size, "zero_points": info.zero_points,
-                        **weight_bytes(Path(bundle)), **summarize(parts[bundle])}
+                        **weight_bytes(Path(bundle)), **summarize(parts)}
         log(f"{bundle}: {rows[bundle]}")
+        del engine
+        gc.collect()
     return {"model": model, "text": str(text), "ctx": ctx, "chunks": chunks, "scored_per_chunk": ctx - first - 1, "bundles": rows}

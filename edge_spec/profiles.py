@@ -21,6 +21,7 @@ class DeviceProfile:
     quants: tuple[str, ...]  # weight formats it can express
     why_not: dict  # quant or attention it refuses -> the reason, in a clause
     quantized_embedding: bool = True  # int4/int8 embedding tables as GatherBlockQuantized (else float)
+    zero_points: bool = False  # int4/int8 MatMulNBits always carry their zero-point input (export --zero-points implied)
 
     def refusal(self, quant: str, attention: str) -> str | None:
         """Why --device NAME cannot be exported with this --quant and --attention, or None."""
@@ -49,7 +50,9 @@ PROFILES = {
     # DirectML registers no GatherBlockQuantized: the embedding table stays float16 there. Its
     # GroupQueryAttention computes something else (see _DML_WHY): masked attention, rotary in the
     # graph, the KV rows copied in by the runtime.
-    "dml": DeviceProfile("dml", "dml", "float16", "float16", ("masked",), ("int4", "int8", "fp16"), _DML_WHY, quantized_embedding=False),
+    # Its MatMulNBits reads no implicit zero point (edge_spec/kernels/semantics.json): every node gets one.
+    "dml": DeviceProfile("dml", "dml", "float16", "float16", ("masked",), ("int4", "int8", "fp16"), _DML_WHY, quantized_embedding=False,
+                         zero_points=True),
     "coreml": DeviceProfile(
         "coreml", "coreml", "float32", "float32", ("masked",), ("fp16", "fp32"),
         {

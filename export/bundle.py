@@ -82,6 +82,8 @@ class ExportConfig:
             raise ExportError(f"unknown --device {self.device!r}; choose one of {', '.join(PROFILES)}")
         if self.attention is None:
             object.__setattr__(self, "attention", PROFILES[self.device].attentions[0])
+        if PROFILES[self.device].zero_points and self.quant in ("int4", "int8"):
+            object.__setattr__(self, "zero_points", True)
         known = self.quant in mf.QUANTS and self.attention in names.ATTENTION_KINDS  # else export_bundle names the unknown one
         refusal = PROFILES[self.device].refusal(self.quant, self.attention) if known else None
         if refusal:

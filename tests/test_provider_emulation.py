@@ -215,3 +215,22 @@ def test_todays_dml_graphs_give_the_same_tokens_under_directmls_attention(new_dm
     emulate_past_length_zero(monkeypatch)
     assert _tokens(new_dml_bundle, prompt) == plain
     assert _tokens(new_dml_bundle, prompt, "layer-skip", 3) == plain
+
+
+@pytest.fixture(scope="module")
+def new_dml_int4_bundle(tmp_path_factory, tiny_models):
+    """Today's --device dml graphs at int4: every MatMulNBits carries its zero point."""
+    out = tmp_path_factory.mktemp("emulated") / "qwen2-int4-dml-new"
+    tiny.export(tiny_models.qwen2, out, quant="int4", drafts=("layer-skip:1",), attention=None, device="dml")
+    return out
+
+
+def test_todays_int4_dml_graphs_give_the_same_tokens_under_directmls_matmulnbits(new_dml_int4_bundle, prompt, monkeypatch):
+    """The zero point is an input of every node, so DirectML's missing default offset changes
+    nothing: plain and speculative greedy tokens are the same with the emulation in place."""
+    plain = _tokens(new_dml_int4_bundle, prompt)
+    assert _tokens(new_dml_int4_bundle, prompt, "layer-skip", 3) == plain
+    emulate_graphs(monkeypatch, matmulnbits_without_offset)
+    emulate_past_length_zero(monkeypatch)
+    assert _tokens(new_dml_int4_bundle, prompt) == plain
+    assert _tokens(new_dml_int4_bundle, prompt, "layer-skip", 3) == plain

@@ -181,3 +181,21 @@ def test_fidelity_measures_kl_and_top1():
     p = np.exp(reference[0] - reference[0].max()); p /= p.sum()
     q = np.exp(reference[0] + 1 - (reference[0] + 1).max()); q /= q.sum()
     assert compare_logits(reference[:1], reference[:1] + 1, targets[:1])["kl"][0] == pytest.approx(float((p * np.log(p / q)).sum()), abs=1e-9)
+
+
+@pytest.mark.real_weights
+def test_gguf_types_says_which_official_types_map_exactly():
+    """The official Qwen 0.5B and SmolLM2 files: Q5_0, Q8_0 and Q6_K have an exact MatMulNBits
+    form, Q4_K and Q4_1 (a float minimum per block) do not, and the shares add up."""
+    import real
+    from benchmarks.gguf_types import analyse, table
+
+    folder = real.need(real.QWEN_DRAFT, real.SMOLLM2)
+    qwen = analyse(str(folder / real.QWEN_DRAFT))
+    assert {t for t, r in qwen["types"].items() if r["exact"]} == {"Q5_0", "Q8_0", "Q6_K"}
+    assert qwen["types"]["Q6_K"]["exact_form"] == {"bits": 8, "block": 16, "zero_point": 32}
+    assert sum(r["share"] for r in qwen["types"].values()) == pytest.approx(1.0)
+    assert 0.85 < qwen["share_exact"] < 0.95  # Q4_K is the rest (half the ffn_down tensors)
+    smol = analyse(str(folder / real.SMOLLM2))
+    assert not smol["types"]["Q4_1"]["exact"] and smol["types"]["Q8_0"]["exact"]
+    assert any(line.startswith("| Q4_1 |") and "no:" in line for line in table(smol))

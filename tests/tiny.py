@@ -283,12 +283,13 @@ PROMPT = "the quick brown fox jumps over the lazy dog and"
 
 @contextlib.contextmanager
 def old_dml_profile():
-    """--device dml as it was before the kernel facts: fused GroupQueryAttention graphs, to show
+    """--device dml as it was before the kernel facts: fused GroupQueryAttention graphs and 3-input
+    (symmetric) MatMulNBits, to show
     what the placement check and the emulations say of them."""
     from edge_spec.profiles import PROFILES
 
     saved = PROFILES["dml"]
-    PROFILES["dml"] = dataclasses.replace(saved, attentions=("fused",))
+    PROFILES["dml"] = dataclasses.replace(saved, attentions=("fused",), zero_points=False)
     try:
         yield
     finally:
