@@ -496,6 +496,9 @@ class Server:
         # One tokenizing thread: a huge prompt is tokenized off the event loop (the tokenizer
         # releases the GIL) and several at once queue there instead of taking every core.
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="edge-spec-tokenize")
+        # One parsing thread: json.loads and the walks over a body grow with it (a 1 MiB list of
+        # ids takes hundreds of milliseconds), so they run here and the event loop keeps answering.
+        self._parse_pool = ThreadPoolExecutor(1, thread_name_prefix="edge-spec-parse")
         self.stopping = False  # SIGTERM: no new generations
         self.aborting = False  # the shutdown deadline passed: running generations were cancelled
         inner = Starlette(
@@ -614,12 +617,19 @@ class Server:
         except ClientDisconnect:
             raise _ClientGone() from None
 
+        raw = b"".join(chunks)
+        return await asyncio.get_running_loop().run_in_executor(self._parse_pool, self._decode_body, raw)
+
+    def _decode_body(self, raw: bytes) -> dict:
+        """The body as a checked JSON object (on the parsing thread). Fields whose size the
+        bundle bounds are refused by their length before anything walks their items."""
+
         def no_constants(name):
             raise ValueError(f"{name} is not valid JSON")
 
         try:
             # Decoded here: json.loads would take UTF-16 and UTF-32 bytes as well.
-            body = json.loads(b"".join(chunks).decode("utf-8"), parse_constant=no_constants)
+            body = json.loads(raw.decode("utf-8"), parse_constant=no_constants)
         except RecursionError:
             raise ApiError(400, f"the JSON body is nested too deeply (at most {MAX_JSON_DEPTH} levels)",
                            code="invalid_json") from None
@@ -631,8 +641,34 @@ class Server:
                                 "object with Content-Type: application/json", code="invalid_json") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+        self._check_sizes(body)
         _check_tree(body)
         return body
+
+    def _check_sizes(self, body: dict) -> None:
+        """Lengths the bundle and the API bound, checked before any walk over the items: a list of
+        token ids no longer than the context, at most MAX_STOP_STRINGS stop strings of
+        MAX_STOP_CHARS, logit_bias only empty (the one value accepted)."""
+        context = self.model.max_context
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, list) and len(prompt) >= context:
+            raise ApiError(400, f"This model's maximum context length is {context} tokens, but the prompt has "
+                                f"{len(prompt)} tokens; shorten the prompt", param="prompt", code="context_length_exceeded")
+        messages = body.get("messages")
+        if isinstance(messages, list) and len(messages) > context:  # each message takes at least a token
+            raise ApiError(400, f"This model's maximum context length is {context} tokens: {len(messages)} messages "
+                                "cannot fit", param="messages", code="context_length_exceeded")
+        stop = body.get("stop")
+        if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+            raise _value_error("stop", f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+        if isinstance(stop, list) and any(isinstance(s, str) and len(s) > MAX_STOP_CHARS for s in stop):
+            raise _value_error("stop", f"each stop string must have 1 to {MAX_STOP_CHARS} characters")
+        bias = body.get("logit_bias")
+        if isinstance(bias, dict) and bias:
+            raise _value_error("logit_bias", f"logit_bias with {len(bias)} entries is not supported by this server "
+                                             "(leave it out or use {})")
 
     def _check_model(self, body: dict) -> None:
         name = body.get("model")
