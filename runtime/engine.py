@@ -16,6 +16,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
+from edge_spec.budget import plan_bundle
 from edge_spec.commit import commit, stop_prefix_len
 from edge_spec.manifest import BundleError
 from edge_spec.sampling import SamplingConfig, SettingError, shown
@@ -201,6 +202,7 @@ class Engine:
         self.target = self._runner("target")
         self.drafter = self._make_drafter(config.drafter)
         self._drafters = {config.drafter: self.drafter}
+        self._plans_fit: dict[str, bool] = {}  # by drafter kind, with config.memory_budget
         self.costs = CostModel()
         self.policy = RoundPolicy(self.costs)  # α per drafter and γ config for the engine's life
         self._lock = threading.Lock()
@@ -277,6 +279,18 @@ class Engine:
         if speculation.max_gamma is not None and speculation.max_gamma > self.config.max_gamma:
             raise SettingError("speculation.max_gamma", f"speculation.max_gamma must be 1..{self.config.max_gamma} (the "
                                                         f"engine's max_gamma), got {speculation.max_gamma}")
+        budget = self.config.memory_budget
+        if speculation.drafter is not None and budget is not None and not self._fits_budget(speculation.drafter, budget):
+            raise SettingError("speculation.drafter", f"drafter {speculation.drafter!r} would load more than the memory "
+                                                      f"budget of {budget} bytes allows; choose another")
+
+    def _fits_budget(self, kind: str, budget: int) -> bool:
+        """The memory plan of the load's check (edge_spec.budget) for a drafter a request chooses:
+        a request cannot load a draft model the budget left out."""
+        if kind not in self._plans_fit:
+            plan = plan_bundle(self.bundle.manifest, self.bundle.path, kind, budget, self.config.max_gamma)
+            self._plans_fit[kind] = plan.fits
+        return self._plans_fit[kind]
 
     def _request_drafter(self, speculation: Speculation | None) -> tuple[str, Drafter | None, GammaConfig]:
         """The drafter and γ config one generation runs with (called holding the Engine); a

@@ -588,3 +588,22 @@ def test_block_stable_greedy_output_does_not_depend_on_the_requests_speculation(
             assert {drafter for _, drafter in answers.values()} == {"none", "lookup", "suffix", "auto"}
     finally:
         m.close()
+
+
+def test_a_request_cannot_load_a_drafter_the_memory_budget_left_out(llama_bundle):
+    from edge_spec.budget import plan_bundle
+    from edge_spec.manifest import load_manifest
+
+    manifest = load_manifest(llama_bundle)
+    budget = plan_bundle(manifest, llama_bundle, "lookup", None, 8).total_bytes
+    assert plan_bundle(manifest, llama_bundle, "model", None, 8).total_bytes > budget
+    m = Model.load(llama_bundle, engine_config=EngineConfig(provider="cpu", threads=1, drafter="lookup", calibrate=False,
+                                                            memory_budget=budget))
+    try:
+        with pytest.raises(ValueError, match="would load more than the memory budget"):
+            m.submit("the cat", speculation={"drafter": "model"})
+        draft_stages = set(m.engine.bundle.manifest.models["draft"].stages) - set(m.engine.bundle.manifest.target.stages)
+        assert draft_stages and not draft_stages & set(m.engine._sessions)  # nothing was loaded for it
+        assert m.generate("the cat", max_tokens=2, speculation={"drafter": "none"}).speculation["drafter"] == "none"
+    finally:
+        m.close()
