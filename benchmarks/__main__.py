@@ -3,6 +3,7 @@ python -m benchmarks ab OLD_BUNDLE NEW_BUNDLE [--blocks 1,5] [--kv-len 512] [--r
 python -m benchmarks op_profile BUNDLE [--blocks 1,2,4,8] [--kv-len 512] [--repeats 20] [--threads N] [--out FILE.json]
 python -m benchmarks fidelity MODEL BUNDLE... [--text FILE] [--ctx 512] [--out FILE.json]
 python -m benchmarks gguf_types FILE.gguf [--out FILE.json]
+python -m benchmarks sensitivity MODEL [--schemes int4/128,int4/64,int8/128] [--chunks 2] [--out FILE.json]
 python -m benchmarks spinning BUNDLE [--repeats 120] [--kv-len 512] [--out FILE.json]
 python -m benchmarks activations MODEL [--out FILE.json]
 python -m benchmarks greedy_stability BUNDLE... [--prompts SPEC] [--tokens N] [--modes M] [--out FILE.json]
@@ -81,6 +82,12 @@ def main() -> int:
     types = sub.add_parser("gguf_types", help="which of a GGUF's tensor types MatMulNBits holds exactly, and the bytes it reads then")
     types.add_argument("gguf")
     types.add_argument("--out", help="write the result as JSON here")
+    sens = sub.add_parser("sensitivity", help="KL of each role's matrices alone quantized (fitted blocks, emulated in float32)")
+    sens.add_argument("model", help="alias, folder or .gguf")
+    sens.add_argument("--schemes", default="int4/128,int4/64,int8/128", help="comma-separated intBITS/BLOCK")
+    sens.add_argument("--chunks", type=int, default=2)
+    sens.add_argument("--ctx", type=int, default=512)
+    sens.add_argument("--out", help="write the result as JSON here")
     summary = sub.add_parser("summary", help="summary.json (what BENCHMARKS.md cites) from each DIR/results.json")
     summary.add_argument("folders", nargs="+", metavar="DIR")
     args = parser.parse_args()
@@ -129,6 +136,16 @@ def main() -> int:
 
         rows = analyse(args.gguf)
         print("\n".join(types_table(rows)))
+    elif args.command == "sensitivity":
+        from benchmarks.sensitivity import parse_scheme, run as run_sensitivity
+
+        schemes = [x for x in args.schemes.split(",") if x]
+        try:
+            for scheme in schemes:
+                parse_scheme(scheme)
+        except ValueError as exc:
+            parser.error(str(exc))
+        rows = run_sensitivity(args.model, schemes, args.chunks, args.ctx)
     elif args.command == "ab":
         from benchmarks.ab_passes import compare as compare_passes
 

@@ -199,3 +199,18 @@ def test_gguf_types_says_which_official_types_map_exactly():
     smol = analyse(str(folder / real.SMOLLM2))
     assert not smol["types"]["Q4_1"]["exact"] and smol["types"]["Q8_0"]["exact"]
     assert any(line.startswith("| Q4_1 |") and "no:" in line for line in table(smol))
+
+
+def test_sensitivity_ranks_each_roles_error(tiny_models):
+    """Every role is measured alone at each scheme; 8 bits cost less KL than 4 at the same block,
+    and the bytes per pass follow the scheme."""
+    from benchmarks.sensitivity import run
+
+    result = run(str(tiny_models.llama_quant), ["int4/32", "int8/32"], chunks=1, ctx=64, log=lambda line: None)
+    rows = result["rows"]
+    assert {r["role"] for r in rows.values()} == {"qkv", "o", "gate_up", "down", "lm_head"}
+    for role in ("qkv", "o", "gate_up", "down", "lm_head"):
+        four, eight = rows[f"{role} int4/32"], rows[f"{role} int8/32"]
+        assert 0 < eight["kl_mean"] < four["kl_mean"], role
+        assert eight["mib_per_pass"] == pytest.approx(four["mib_per_pass"] * 10 / 6)
+    assert sum(rows[f"{r} int4/32"]["share"] for r in ("qkv", "o", "gate_up", "down", "lm_head")) == pytest.approx(1.0)
