@@ -23,6 +23,7 @@ import json
 import os
 import re
 import statistics
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -130,6 +131,8 @@ def main(argv=None) -> int:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; above 0: sampled, once per seed")
     parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature (default 1.0)")
     parser.add_argument("--seeds", type=int, default=1, help="with --temperature: runs per prompt and configuration, seeds 0..N-1")
+    parser.add_argument("--llama-args", default="", help="extra flags for every llama.cpp tool, e.g. -nr where its repacked (AMX) "
+                        "weights crash on the host; recorded in the results")
     args = parser.parse_args(argv)
     anchors, out = Path(args.anchors), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -170,7 +173,7 @@ def main(argv=None) -> int:
             ids = engine.tokenizer.encode(text, add_special_tokens=prompt.messages is None)
             generate = GenerateConfig(max_new_tokens=args.max_new_tokens,
                                       sampling=SamplingConfig(temperature=args.temperature, top_p=args.top_p, seed=seed))
-            sampling = sampling_args(args.temperature, args.top_p, seed)
+            sampling = sampling_args(args.temperature, args.top_p, seed) + shlex.split(args.llama_args)
             outputs = {}
             for config in configs:
                 began = time.perf_counter()
@@ -205,7 +208,7 @@ def main(argv=None) -> int:
     if genai:
         genai.close()
     summary = summarize(runs, configs)
-    results = {"bundle": args.bundle, "bundle2": args.bundle2, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "threads": args.threads,
+    results = {"bundle": args.bundle, "bundle2": args.bundle2, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "threads": args.threads, "llama_args": args.llama_args,
                "sampling": {"temperature": args.temperature, "top_p": args.top_p, "seeds": args.seeds},
                "started": time.strftime("%Y-%m-%d %H:%M:%S"), "configs": configs, "runs": runs, "summary": summary}
     (out / "anchors.json").write_text(json.dumps(results, indent=1))
