@@ -268,11 +268,17 @@ def cmd_bench(args) -> int:
                          "package; run it from the checkout's root (or with it on PYTHONPATH)") from None
 
     out = Path(args.out)
-    try:  # before the run: a folder that cannot be made would otherwise fail only once it is over
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"cannot create --out {out}: {exc.strerror or exc}") from None
+
+    def make_out() -> None:
+        """After the arguments and prompts are checked (bad input leaves no folder behind), before
+        the run (a folder that cannot be made would otherwise fail only once the run is over)."""
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"cannot create --out {out}: {exc.strerror or exc}") from None
+
     if args.micro:
+        make_out()
         save_micro(run_micro(args.bundle, MicroConfig(kv_len=args.kv_len, provider=args.provider, threads=args.threads)), out)
     else:
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -283,8 +289,10 @@ def cmd_bench(args) -> int:
             gamma=None if args.gamma == "auto" else int(args.gamma), max_gamma=args.max_gamma,
             provider=args.provider, threads=args.threads, temperature=args.temperature, top_p=args.top_p, seeds=args.seeds,
         )
+        prompts = load_prompts(args.prompts)
+        make_out()
         log = (lambda line: None) if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
-        save_results(run_bench(args.bundle, load_prompts(args.prompts), config, log=log), out)
+        save_results(run_bench(args.bundle, prompts, config, log=log), out)
     for warning in render_report(out):
         print(f"warning: {warning}", file=sys.stderr)
     print((out / "report.md").read_text())
