@@ -130,3 +130,33 @@ def hf_models(tiny_models) -> dict:
 def quant_bundles(tmp_path_factory, tiny_models) -> dict[str, Path]:
     """fp32, int8 and int4 bundles (target only) of the gentler llama, for smoke tests."""
     return {q: _export(tmp_path_factory, f"llama-{q}", tiny_models.llama_quant, quant=q) for q in ("fp32", "int8", "int4")}
+
+
+# --device dml bundles of the tiny qwen2 (layer-skip draft): today's int4 and fp16 graphs, and the
+# int4 graphs as the profile wrote them before the kernel facts (tests/test_device_profiles.py,
+# tests/test_provider_emulation.py).
+@pytest.fixture(scope="session")
+def dml_bundle(tmp_path_factory, tiny_models) -> Path:
+    return _dml_export(tmp_path_factory, tiny_models, "qwen2-int4-dml", "int4")
+
+
+@pytest.fixture(scope="session")
+def dml_fp16_bundle(tmp_path_factory, tiny_models) -> Path:
+    return _dml_export(tmp_path_factory, tiny_models, "qwen2-fp16-dml", "fp16")
+
+
+@pytest.fixture(scope="session")
+def old_dml_bundle(tmp_path_factory, tiny_models) -> Path:
+    """Fused GroupQueryAttention (rotary inside) and 3-input MatMulNBits."""
+    import tiny
+
+    with tiny.old_dml_profile():
+        return _dml_export(tmp_path_factory, tiny_models, "qwen2-int4-dml-fused", "int4")
+
+
+def _dml_export(tmp_path_factory, tiny_models, name: str, quant: str) -> Path:
+    import tiny
+
+    out = tmp_path_factory.mktemp("dml_bundle") / name
+    tiny.export(tiny_models.qwen2, out, quant=quant, drafts=("layer-skip:1",), attention=None, device="dml")
+    return out

@@ -40,30 +40,6 @@ def cuda_bundles(tmp_path_factory, tiny_models) -> dict[str, object]:
 
 
 @pytest.fixture(scope="module")
-def dml_bundle(tmp_path_factory, tiny_models):
-    out = tmp_path_factory.mktemp("dml_bundle") / "qwen2-int4-dml"
-    tiny.export(tiny_models.qwen2, out, quant="int4", drafts=("layer-skip:1",), attention=None, device="dml")
-    return out
-
-
-@pytest.fixture(scope="module")
-def dml_fp16_bundle(tmp_path_factory, tiny_models):
-    out = tmp_path_factory.mktemp("dml_bundle") / "qwen2-fp16-dml"
-    tiny.export(tiny_models.qwen2, out, quant="fp16", drafts=("layer-skip:1",), attention=None, device="dml")
-    return out
-
-
-@pytest.fixture(scope="module")
-def old_dml_bundle(tmp_path_factory, tiny_models):
-    """The --device dml graphs as the profile wrote them before the kernel facts: fused
-    GroupQueryAttention (rotary inside) and 3-input MatMulNBits."""
-    out = tmp_path_factory.mktemp("dml_bundle") / "qwen2-int4-dml-fused"
-    with tiny.old_dml_profile():
-        tiny.export(tiny_models.qwen2, out, quant="int4", drafts=("layer-skip:1",), attention=None, device="dml")
-    return out
-
-
-@pytest.fixture(scope="module")
 def coreml_bundle(tmp_path_factory, tiny_models):
     out = tmp_path_factory.mktemp("coreml_bundle") / "llama-coreml"
     tiny.export(tiny_models.llama, out, quant="fp32", drafts=("layer-skip:2",), attention=None, device="coreml")

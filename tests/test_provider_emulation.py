@@ -155,23 +155,6 @@ def test_gqa_emulations_are_unrotated_attention_over_the_block_alone():
 
 
 @pytest.fixture(scope="module")
-def dml_bundle(tmp_path_factory, tiny_models):
-    """The old --device dml graphs: fused GroupQueryAttention with rotary inside, 3-input MatMulNBits."""
-    out = tmp_path_factory.mktemp("emulated") / "qwen2-int4-dml"
-    with tiny.old_dml_profile():
-        tiny.export(tiny_models.qwen2, out, quant="int4", drafts=("layer-skip:1",), attention=None, device="dml")
-    return out
-
-
-@pytest.fixture(scope="module")
-def new_dml_bundle(tmp_path_factory, tiny_models):
-    """Today's --device dml graphs at fp16 (no MatMulNBits): masked attention, rotary in the graph."""
-    out = tmp_path_factory.mktemp("emulated") / "qwen2-fp16-dml"
-    tiny.export(tiny_models.qwen2, out, quant="fp16", drafts=("layer-skip:1",), attention=None, device="dml")
-    return out
-
-
-@pytest.fixture(scope="module")
 def prompt(hf_models):
     return hf_models["qwen2"][1](" ".join([tiny.PROMPT] * 2)).input_ids
 
@@ -182,55 +165,47 @@ def _tokens(bundle, ids, drafter="none", gamma=None, max_new_tokens=24) -> list[
 
 
 @pytest.fixture(scope="module")
-def faithful(dml_bundle, prompt):
-    plain = _tokens(dml_bundle, prompt)
-    assert _tokens(dml_bundle, prompt, "layer-skip", 3) == plain  # the graphs are right where the kernel is
+def faithful(old_dml_bundle, prompt):
+    plain = _tokens(old_dml_bundle, prompt)
+    assert _tokens(old_dml_bundle, prompt, "layer-skip", 3) == plain  # the graphs are right where the kernel is
     return plain
 
 
-def test_rotary_skipped_changes_the_tokens(dml_bundle, prompt, faithful, monkeypatch):
+def test_rotary_skipped_changes_the_tokens(old_dml_bundle, prompt, faithful, monkeypatch):
     emulate_graphs(monkeypatch, ignore_rotary)
-    assert _tokens(dml_bundle, prompt) != faithful
+    assert _tokens(old_dml_bundle, prompt) != faithful
 
 
-def test_past_length_zero_for_multi_token_passes_changes_the_tokens(dml_bundle, prompt, faithful, monkeypatch):
+def test_past_length_zero_for_multi_token_passes_changes_the_tokens(old_dml_bundle, prompt, faithful, monkeypatch):
     """A prompt's first pass starts at row 0, so plain decoding is untouched; every verify pass
     (T = γ + 1 after the prompt) forgets the cache, and speculation is no longer exact."""
     emulate_past_length_zero(monkeypatch)
-    assert _tokens(dml_bundle, prompt) == faithful
-    assert _tokens(dml_bundle, prompt, "layer-skip", 3) != faithful
+    assert _tokens(old_dml_bundle, prompt) == faithful
+    assert _tokens(old_dml_bundle, prompt, "layer-skip", 3) != faithful
 
 
-def test_matmulnbits_without_its_offset_changes_the_tokens(dml_bundle, prompt, faithful, monkeypatch):
+def test_matmulnbits_without_its_offset_changes_the_tokens(old_dml_bundle, prompt, faithful, monkeypatch):
     emulate_graphs(monkeypatch, matmulnbits_without_offset)
-    assert _tokens(dml_bundle, prompt) != faithful
+    assert _tokens(old_dml_bundle, prompt) != faithful
 
 
-def test_todays_dml_graphs_give_the_same_tokens_under_directmls_attention(new_dml_bundle, prompt, monkeypatch):
+def test_todays_dml_graphs_give_the_same_tokens_under_directmls_attention(dml_fp16_bundle, prompt, monkeypatch):
     """No GroupQueryAttention left for DirectML to get wrong: with both attention emulations in
     place, plain and speculative greedy tokens are the faithful ones."""
-    plain = _tokens(new_dml_bundle, prompt)
-    assert _tokens(new_dml_bundle, prompt, "layer-skip", 3) == plain
+    plain = _tokens(dml_fp16_bundle, prompt)
+    assert _tokens(dml_fp16_bundle, prompt, "layer-skip", 3) == plain
     emulate_graphs(monkeypatch, ignore_rotary)
     emulate_past_length_zero(monkeypatch)
-    assert _tokens(new_dml_bundle, prompt) == plain
-    assert _tokens(new_dml_bundle, prompt, "layer-skip", 3) == plain
+    assert _tokens(dml_fp16_bundle, prompt) == plain
+    assert _tokens(dml_fp16_bundle, prompt, "layer-skip", 3) == plain
 
 
-@pytest.fixture(scope="module")
-def new_dml_int4_bundle(tmp_path_factory, tiny_models):
-    """Today's --device dml graphs at int4: every MatMulNBits carries its zero point."""
-    out = tmp_path_factory.mktemp("emulated") / "qwen2-int4-dml-new"
-    tiny.export(tiny_models.qwen2, out, quant="int4", drafts=("layer-skip:1",), attention=None, device="dml")
-    return out
-
-
-def test_todays_int4_dml_graphs_give_the_same_tokens_under_directmls_matmulnbits(new_dml_int4_bundle, prompt, monkeypatch):
+def test_todays_int4_dml_graphs_give_the_same_tokens_under_directmls_matmulnbits(dml_bundle, prompt, monkeypatch):
     """The zero point is an input of every node, so DirectML's missing default offset changes
     nothing: plain and speculative greedy tokens are the same with the emulation in place."""
-    plain = _tokens(new_dml_int4_bundle, prompt)
-    assert _tokens(new_dml_int4_bundle, prompt, "layer-skip", 3) == plain
+    plain = _tokens(dml_bundle, prompt)
+    assert _tokens(dml_bundle, prompt, "layer-skip", 3) == plain
     emulate_graphs(monkeypatch, matmulnbits_without_offset)
     emulate_past_length_zero(monkeypatch)
-    assert _tokens(new_dml_int4_bundle, prompt) == plain
-    assert _tokens(new_dml_int4_bundle, prompt, "layer-skip", 3) == plain
+    assert _tokens(dml_bundle, prompt) == plain
+    assert _tokens(dml_bundle, prompt, "layer-skip", 3) == plain
