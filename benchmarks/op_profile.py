@@ -15,7 +15,6 @@ the pass's wall time less the profile's `model_run`.
 from __future__ import annotations
 
 import json
-import re
 import statistics
 import tempfile
 import time
@@ -159,12 +158,3 @@ def table(result: dict) -> list[str]:
         lines.append(f"| {name} | " + " | ".join(f"{result['passes'][p][field]:.2f} ms" for p in passes) + " |")
     lines.append("| MiB read | " + " | ".join(f"{result['passes'][p]['bytes'] / 2**20:.0f}" for p in passes) + " |")
     return lines
-
-
-def summarize_groups(groups: dict) -> dict[str, float]:
-    """ms by coarse kind (the MatMulNBits of each role together, attention, everything else)."""
-    kinds: dict[str, float] = defaultdict(float)
-    for key, g in groups.items():
-        match = re.match(r"MatMulNBits (\w+)", key)
-        kinds[f"matmul {match.group(1)}" if match else key] += g["ms"]
-    return dict(kinds)
