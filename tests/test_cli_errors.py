@@ -289,7 +289,10 @@ def test_real_weights_manifest_max_context_checked_against_the_graphs(tmp_path):
     copy.mkdir()
     for f in source.iterdir():
         if f.name != "manifest.json":
-            (copy / f.name).symlink_to(f)
+            try:  # hard links: a bundle refuses files that are symlinks out of its folder
+                os.link(f, copy / f.name)
+            except OSError:
+                shutil.copy2(f, copy / f.name)
     manifest = json.loads((source / "manifest.json").read_text())
     for model in manifest["models"].values():
         model["arch"]["max_context"] *= 2
