@@ -52,9 +52,9 @@ def weight_bytes(bundle: Path) -> dict:
 
     manifest = load_manifest(bundle, check_hashes=False)
     files = {manifest.stages[s].file for s in manifest.target.stages}
-    nodes = matmul_nodes([bundle / f for f in files])
-    weights = sum(a["K"] * a["N"] for a in nodes.values())
-    read = sum(matmulnbits_bytes(a) for a in nodes.values())
+    nodes = [a for f in files for a in matmul_nodes(bundle / f).values()]
+    weights = sum(a["K"] * a["N"] for a in nodes)
+    read = sum(matmulnbits_bytes(a) for a in nodes)
     return {"matmul_weights": weights, "matmul_bytes_per_pass": read, "bits_per_weight": 8 * read / weights if weights else None}
 
 

@@ -38,16 +38,26 @@ def matmulnbits_bytes(attrs: dict) -> int:
     return attrs["N"] * blocks * (attrs["block_size"] * attrs["bits"] // 8 + 8)
 
 
-def matmul_nodes(graph_paths: list[Path]) -> dict[str, dict]:
-    """Node name -> its MatMulNBits attributes (K, N, bits, block_size), from the stage graphs."""
+def matmul_nodes(path: Path) -> dict[str, dict]:
+    """Node name -> its MatMulNBits attributes (K, N, bits, block_size), in one stage graph (names
+    repeat across a bundle's stage graphs)."""
     import onnx
 
-    nodes = {}
-    for path in graph_paths:
-        for node in onnx.load(str(path), load_external_data=False).graph.node:
-            if node.op_type == "MatMulNBits":
-                nodes[node.name] = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-    return nodes
+    return {node.name: {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            for node in onnx.load(str(path), load_external_data=False).graph.node if node.op_type == "MatMulNBits"}
+
+
+def _merge(into: dict, row: dict) -> None:
+    """Add one stage's row to a pass's row: a pass of a split target runs each stage once."""
+    into["run_ms"] += row["run_ms"]
+    for key, g in row["groups"].items():
+        if key not in into["groups"]:
+            into["groups"][key] = dict(g)
+            continue
+        merged = into["groups"][key]
+        for field in ("ms", "calls", "bytes"):
+            merged[field] += g[field]
+        merged["gb_per_s"] = merged["bytes"] / (merged["ms"] * 1e6) if merged["ms"] and merged["bytes"] else None
 
 
 def account(events: list[dict], labels: list[str], matmuls: dict[str, dict], attended_bytes: int = 0) -> dict:
@@ -105,14 +115,13 @@ def profile(bundle: str, blocks: list[int], kv_len: int = 512, repeats: int = 20
     arch = engine.bundle.manifest.target.arch
     kv_row = 2 * arch.n_kv_heads * arch.head_dim * 4  # K and V, float32, one layer
     labels, wall = [], defaultdict(list)
-    stages = len(engine.target.sessions)
     for repeat in range(repeats + 1):
         for block in blocks:
             began = time.perf_counter()
             timer.target_pass(block)
             if repeat:
                 wall[f"T={block}"].append((time.perf_counter() - began) * 1e3)
-            labels.extend([f"T={block}" if repeat else "warm-up"] * stages)
+            labels.append(f"T={block}" if repeat else "warm-up")  # each stage's session runs once a pass
     draft_labels = []
     if "draft" in engine.bundle.manifest.drafts():
         step = timer.draft_step("model")
@@ -124,20 +133,24 @@ def profile(bundle: str, blocks: list[int], kv_len: int = 512, repeats: int = 20
             draft_labels.append("draft" if repeat else "warm-up")
     result = {"bundle": bundle, "kv_len": kv_len, "repeats": repeats, "machine": cpu_features(),
               "threads": engine.config.threads, "passes": {}}
-    graphs = {stage.file for stage in engine.bundle.manifest.stages.values()}
-    matmuls = matmul_nodes([Path(bundle) / f for f in graphs])
+    stages = engine.bundle.manifest.stages
     for key, session in engine._sessions.items():
         events = json.loads(Path(session.end_profiling()).read_text())
         names = draft_labels if key == "draft" else labels if key.startswith("target") else []
         if not names:
             continue
-        for label, row in account(events, names, matmuls, kv_row * kv_len).items():
+        for label, row in account(events, names, matmul_nodes(Path(bundle) / stages[key].file), kv_row * kv_len).items():
             if label == "warm-up":
                 continue
-            row["wall_ms"] = statistics.median(wall[label])
-            row["outside_run_ms"] = row["wall_ms"] - row["run_ms"]
-            row["bytes"] = sum(g["bytes"] for g in row["groups"].values())
-            result["passes"].setdefault(label, row)
+            if label in result["passes"]:
+                _merge(result["passes"][label], row)
+            else:
+                result["passes"][label] = row
+    for label, row in result["passes"].items():
+        row["groups"] = dict(sorted(row["groups"].items(), key=lambda kv: -kv[1]["ms"]))
+        row["wall_ms"] = statistics.median(wall[label])
+        row["outside_run_ms"] = row["wall_ms"] - row["run_ms"]
+        row["bytes"] = sum(g["bytes"] for g in row["groups"].values())
     return result
 
 

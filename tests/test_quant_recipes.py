@@ -82,7 +82,7 @@ def zero_point_bundle(tiny_models, tmp_path_factory) -> Path:
     from export.bundle import ExportConfig, export_bundle
 
     out = tmp_path_factory.mktemp("zp") / "llama-int4-zp"
-    export_bundle(ExportConfig(model=str(tiny_models.llama_quant), out=out, quant="int4", max_context=tiny.MAX_CONTEXT, drafts=(str(tiny_models.draft),),
+    export_bundle(ExportConfig(model=str(tiny_models.llama_quant), out=out, quant="int4", max_context=tiny.MAX_CONTEXT, drafts=(str(tiny_models.draft), "layer-skip:2"),
                                block_size=64, zero_points=True), log=lambda message: None)
     return out
 
@@ -93,10 +93,9 @@ def test_zero_point_bundle_records_and_carries_its_zero_points(zero_point_bundle
     from runtime.engine import Engine, EngineConfig
 
     manifest = json.loads((zero_point_bundle / "manifest.json").read_text())
-    assert {role: m["zero_points"] for role, m in manifest["models"].items()} == {"target": True, "draft": True}
+    assert {role: m["zero_points"] for role, m in manifest["models"].items()} == {"target": True, "draft": True, "layer_skip": True}
     assert {m["block_size"] for m in manifest["models"].values()} == {64}
-    graph = onnx.load(str(zero_point_bundle / "target.onnx"), load_external_data=False).graph
-    matmuls = [n for n in graph.node if n.op_type == "MatMulNBits"]
+    matmuls = [n for f in zero_point_bundle.glob("*.onnx") for n in onnx.load(str(f), load_external_data=False).graph.node if n.op_type == "MatMulNBits"]
     assert matmuls and all(len(n.input) == 4 and n.input[3].endswith("_zero_points") for n in matmuls)
     ids = list(range(3, 40))
     ref = Engine(str(quant_bundles["fp32"]), EngineConfig(drafter="none", calibrate=False)).target.forward(ids)
@@ -137,16 +136,20 @@ def test_manifest_refuses_a_zero_points_field_that_is_not_a_boolean(zero_point_b
 
 
 def test_op_profile_accounts_every_matmul_with_its_bytes(zero_point_bundle):
-    """Every MatMulNBits of the target shows up in a labelled group with the bytes the kernel
-    layout implies, the groups add up to no more than the session's run, and the draft is profiled."""
+    """Every MatMulNBits of the target, over all of its stage graphs (this one is split for its
+    layer-skip draft), shows up once a pass in a labelled group with the bytes the kernel layout
+    implies, the groups add up to no more than the sessions' runs, and the draft is profiled."""
     import onnx
 
     from benchmarks.op_profile import matmulnbits_bytes, profile, table
 
     result = profile(str(zero_point_bundle), [1, 3], kv_len=16, repeats=2, threads=1)
     assert set(result["passes"]) == {"T=1", "T=3", "draft"}
-    graph = onnx.load(str(zero_point_bundle / "target.onnx"), load_external_data=False).graph
-    attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in graph.node if n.op_type == "MatMulNBits"]
+    manifest = json.loads((zero_point_bundle / "manifest.json").read_text())
+    files = [manifest["stages"][key]["file"] for key in manifest["models"]["target"]["stages"]]
+    assert len(files) == 3
+    attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for f in files
+             for n in onnx.load(str(zero_point_bundle / f), load_external_data=False).graph.node if n.op_type == "MatMulNBits"]
     expected = sum(matmulnbits_bytes(a) for a in attrs)
     for name in ("T=1", "T=3"):
         row = result["passes"][name]
