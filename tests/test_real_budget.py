@@ -45,7 +45,7 @@ def _prompt(bundle: Path, n_tokens: int) -> str:
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(bundle / "tokenizer.json"))
-    text = "".join((real.ROOT / f).read_text() for f in ("runtime/engine.py", "runtime/server.py", "runtime/api.py"))
+    text = "".join((real.ROOT / f).read_text() for f in ("runtime/engine.py", "runtime/server/app.py", "runtime/api.py"))
     return tokenizer.decode(tokenizer.encode(text).ids[:n_tokens])
 
 

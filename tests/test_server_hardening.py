@@ -692,16 +692,16 @@ def test_speculation_is_chosen_per_request_and_reported(model, caplog):
 # -- bodies parsed off the event loop, with limits that scale with the bundle -------------------------
 
 def test_bodies_are_parsed_off_the_event_loop(fast, monkeypatch):
-    import runtime.server as server_module
+    import runtime.server.body as body_module
 
     _, port = fast
-    walk = server_module._check_tree
+    walk = body_module.check_tree
 
     def slow_walk(body):
         time.sleep(1.5)  # a long walk over a hostile body (sleep lets go of the GIL, as the walk's switches do)
         return walk(body)
 
-    monkeypatch.setattr(server_module, "_check_tree", slow_walk)
+    monkeypatch.setattr(body_module, "check_tree", slow_walk)
     worker = threading.Thread(target=request, args=(port, "POST", "/v1/completions", BODY), daemon=True)
     worker.start()
     time.sleep(0.3)
@@ -719,12 +719,12 @@ def test_bodies_are_parsed_off_the_event_loop(fast, monkeypatch):
     ({"logit_bias": {str(i): 1 for i in range(60_000)}}, "logit_bias", "invalid_value"),
 ])
 def test_oversized_fields_are_refused_by_their_length_before_any_walk(fast, monkeypatch, extra, param, code):
-    import runtime.server as server_module
+    import runtime.server.body as body_module
 
     _, port = fast
     walked = []
-    walk = server_module._check_tree
-    monkeypatch.setattr(server_module, "_check_tree", lambda body: walked.append(1) or walk(body))
+    walk = body_module.check_tree
+    monkeypatch.setattr(body_module, "check_tree", lambda body: walked.append(1) or walk(body))
     status, _, body = request(port, "POST", "/v1/completions", {**BODY, **extra})
     assert status == 400 and body["error"]["param"] == param and body["error"]["code"] == code, body
     assert walked == [], "the body was walked item by item before its length was checked"

@@ -1,0 +1,254 @@
+"""The request schema: which fields each endpoint takes, and a decoded body turned into a checked
+prompt and Options (the API's own checks, with errors in OpenAI's shape)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from edge_spec.sampling import SettingError, shown
+from runtime.api import Model, Options
+from runtime.engine import Prompt, PromptTooLongError
+from runtime.requests import check_messages
+from runtime.server.body import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from runtime.server.errors import ApiError, setting_error, type_error, value_error
+from runtime.tokenizer import ChatTemplateError
+
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
+
+# Accepted for compatibility, but only with the value that means "off" (or null).
+_COMMON_INERT = {
+    "n": (1,),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "logit_bias": ({},),
+    "best_of": (1,),
+}
+# speculation (an extension): {"drafter": ..., "max_gamma": N} for this request; absent: the server's.
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "user",
+           "speculation"}
+# parse_special (an extension, as in llama.cpp's server): special-token strings in a raw prompt are
+# control tokens only when the caller asks; by default they are text.
+COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "logprobs", "parse_special"} | set(_COMMON_INERT)
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
+                         "tools", "tool_choice", "parallel_tool_calls"} | (set(_COMMON_INERT) - {"best_of"})
+
+
+def _integer(body: dict, name: str, default, low: int | None = None, high: int | None = None, high_message: str | None = None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer() and math.isfinite(value):
+            value = int(value)
+        else:
+            raise type_error(name, "an integer", value)
+    if low is not None and value < low:
+        raise value_error(name, f"{name} must be >= {low}, got {shown(value)}")
+    if high is not None and value > high:
+        raise value_error(name, high_message or f"{name} must be <= {high}, got {shown(value)}")
+    return value
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise type_error(name, "a number", value)
+    if not low <= value <= high:
+        raise value_error(name, f"{name} must be between {low:g} and {high:g}, got {value}")
+    return float(value)
+
+
+def _boolean(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise type_error(name, "a boolean", value)
+    return value
+
+
+def _neutral(value, values) -> bool:
+    """value is one of values, of the same type: true is not 1 (as in Python) here."""
+    return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in values)
+
+
+def _check_fields(body: dict, allowed: set[str]) -> None:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise ApiError(400, f"Unrecognized request argument supplied: {', '.join(unknown)[:80]}",
+                       param=unknown[0][:40], code="unknown_parameter")
+    for name, values in _COMMON_INERT.items():
+        if name in body and body[name] is not None and not _neutral(body[name], values):
+            raise value_error(name, f"{name}={json.dumps(body[name])[:40]} is not supported by this server "
+                                    f"(leave it out or use {json.dumps(values[0])})")
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    values = [value] if isinstance(value, str) else value
+    if not isinstance(values, list) or not all(isinstance(s, str) for s in values):
+        raise type_error("stop", "a string or a list of strings", value)
+    if len(values) > MAX_STOP_STRINGS:
+        raise value_error("stop", f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(values)}")
+    if any(not s or len(s) > MAX_STOP_CHARS for s in values):
+        raise value_error("stop", f"each stop string must have 1 to {MAX_STOP_CHARS} characters")
+    return tuple(values)
+
+
+@dataclass
+class Parsed:
+    prompt_ids: Prompt  # checked once, in RequestParser._check_prompt_ids
+    options: Options
+    stream: bool
+    include_usage: bool
+
+
+class RequestParser:
+    """Turns a decoded body into a Parsed request for one model served as model_id."""
+
+    def __init__(self, model: Model, model_id: str):
+        self.model, self.model_id = model, model_id
+        # One tokenizing thread: a huge prompt is tokenized off the event loop (the tokenizer
+        # releases the GIL) and several at once queue there instead of taking every core.
+        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="edge-spec-tokenize")
+
+    def _check_model(self, body: dict) -> None:
+        name = body.get("model")
+        if name is None:
+            return  # one model is served: leaving it out means that one
+        if not isinstance(name, str):
+            raise type_error("model", "a string", name)
+        if name != self.model_id:
+            raise ApiError(404, f"The model '{name[:100]}' does not exist; this server serves '{self.model_id}'",
+                           param="model", code="model_not_found")
+
+    def _options(self, body: dict, prompt_len: int, default_tokens: int, token_names: tuple[str, ...]) -> Options:
+        context = self.model.max_context
+        max_tokens = None
+        for name in token_names:
+            max_tokens = _integer(body, name, None, 1, context,
+                                  f"{name} is too large: {shown(body.get(name))}. This model's context holds {context} tokens, "
+                                  "prompt included")
+            if max_tokens is not None:
+                break
+        if max_tokens is None:
+            max_tokens = default_tokens
+        temperature = _number(body, "temperature", 1.0, 0.0, 2.0)  # OpenAI's default; 0 is greedy
+        top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+        top_k = _integer(body, "top_k", 0, -1, None)
+        seed = _integer(body, "seed", None, 0, 2**63 - 1)
+        if top_p == 0.0:  # the smallest nucleus: only the most likely token
+            temperature, top_p = 0.0, 1.0
+        try:  # Options is the API's own check (a temperature too small to scale the logits, ...)
+            options = Options(max_tokens=max_tokens, temperature=temperature, top_k=max(top_k, 0), top_p=top_p, seed=seed,
+                              stop=_stop(body), speculation=body.get("speculation"))
+            self.model.engine.check_speculation(options.speculation)  # against the drafters this bundle has
+            return options
+        except SettingError as exc:
+            raise setting_error(exc) from None
+
+    def _stream_flags(self, body: dict) -> tuple[bool, bool]:
+        stream = _boolean(body, "stream", False)
+        options = body.get("stream_options")
+        include_usage = False
+        if options is not None:
+            if not isinstance(options, dict) or set(options) - {"include_usage"}:
+                raise type_error("stream_options", 'an object like {"include_usage": true}', options)
+            include_usage = _boolean(options, "include_usage", False)
+        return stream, include_usage
+
+    def _check_prompt_ids(self, ids: list[int], param: str) -> Prompt:
+        """The prompt check, once per request (submit takes the Prompt as checked), with the
+        errors in OpenAI's shape."""
+        try:
+            return self.model.check_prompt(ids)
+        except PromptTooLongError:
+            raise ApiError(400, f"This model's maximum context length is {self.model.max_context} tokens, but the "
+                                f"prompt has {len(ids)} tokens; shorten the prompt", param=param,
+                           code="context_length_exceeded") from None
+        except ValueError as exc:
+            raise value_error(param, str(exc)) from None
+
+    def _cheap_length_check(self, n_bytes: int, param: str) -> None:
+        """Refuse, without tokenizing, text that cannot fit: no token stands for more than
+        max_token_bytes bytes, so it needs more tokens than the context holds."""
+        bound = self.model.max_context * self.model.engine.tokenizer.max_token_bytes
+        if n_bytes > bound:
+            raise ApiError(400, f"This model's maximum context length is {self.model.max_context} tokens, and the "
+                                f"{param} has {n_bytes} bytes, more than that many tokens can hold; shorten it",
+                           param=param, code="context_length_exceeded")
+
+    async def _encode(self, **kwargs) -> list[int]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, lambda: self.model.encode(**kwargs))
+
+    async def completion(self, body: dict) -> Parsed:
+        _check_fields(body, COMPLETION_FIELDS)
+        self._check_model(body)
+        if _boolean(body, "echo", False):
+            raise value_error("echo", "echo is not supported by this server")
+        if body.get("suffix") not in (None, ""):
+            raise value_error("suffix", "suffix is not supported by this server")
+        if body.get("logprobs") not in (None, 0, False):
+            raise value_error("logprobs", "logprobs are not supported by this server")
+        _boolean(body, "stream", False)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        parse_special = _boolean(body, "parse_special", False)
+        if isinstance(prompt, str):
+            self._cheap_length_check(len(prompt.encode("utf-8")), "prompt")
+            ids = await self._encode(prompt=prompt, parse_special=parse_special)
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        elif prompt is None:
+            raise ApiError(400, "prompt is required", param="prompt", code="missing_required_parameter")
+        elif isinstance(prompt, list):
+            raise value_error("prompt", "this server takes one prompt per request (a string or a list of token ids)")
+        else:
+            raise type_error("prompt", "a string or a list of token ids", prompt)
+        ids = self._check_prompt_ids(ids, "prompt")
+        options = self._options(body, len(ids), DEFAULT_COMPLETION_TOKENS, ("max_tokens",))
+        stream, include_usage = self._stream_flags(body)
+        return Parsed(ids, options, stream, include_usage)
+
+    async def chat(self, body: dict) -> Parsed:
+        _check_fields(body, CHAT_FIELDS)
+        self._check_model(body)
+        if body.get("logprobs") not in (None, False) or not _neutral(body.get("top_logprobs"), (None, 0)):
+            raise value_error("logprobs", "logprobs are not supported by this server")
+        if body.get("tools") not in (None, []) or body.get("tool_choice") not in (None, "none"):
+            raise value_error("tools", "tool calls are not supported by this server")
+        if body.get("parallel_tool_calls") is not None:
+            _boolean(body, "parallel_tool_calls", False)
+        response_format = body.get("response_format")
+        if response_format is not None and response_format != {"type": "text"}:
+            raise value_error("response_format", 'only {"type": "text"} is supported by this server')
+        messages = body.get("messages")
+        if messages is None:
+            raise ApiError(400, "messages is required", param="messages", code="missing_required_parameter")
+        try:
+            clean = check_messages(messages)  # the API's own check
+        except SettingError as exc:
+            raise setting_error(exc) from None
+        if not self.model.has_chat_template:
+            raise ApiError(400, "this bundle's tokenizer has no chat template; use /v1/completions with a raw prompt",
+                           param="messages", code="no_chat_template")
+        self._cheap_length_check(sum(len(m["content"].encode("utf-8")) for m in clean), "messages")
+        try:
+            ids = await self._encode(messages=clean)
+        except ChatTemplateError as exc:
+            raise value_error("messages", str(exc)) from None
+        ids = self._check_prompt_ids(ids, "messages")
+        options = self._options(body, len(ids), self.model.max_context - len(ids),
+                                ("max_completion_tokens", "max_tokens"))
+        stream, include_usage = self._stream_flags(body)
+        return Parsed(ids, options, stream, include_usage)
