@@ -100,6 +100,9 @@ class EngineConfig:
     drafter: str = "auto"  # auto: copy when the text repeats, else the bundle's default draft
     gamma: int | None = None  # None: adaptive
     max_gamma: int = 8
+    # The adaptive policy's other knobs (probes, loss ledger, α decay and prior); its fixed and
+    # max_gamma stay at their defaults: gamma and max_gamma above set them (gamma_for).
+    gamma_config: GammaConfig = GammaConfig()
     allow_fallback: bool = False
     check_hashes: bool = True
     calibrate: bool = True  # time target and draft passes at load, to seed the cost model
@@ -120,11 +123,24 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {shown(value)}")
-        GammaConfig(fixed=self.gamma, max_gamma=self.max_gamma)  # raises ValueError on a γ it cannot run
+        if not isinstance(self.gamma_config, GammaConfig):
+            raise ValueError(f"gamma_config must be a GammaConfig, got {shown(self.gamma_config)}")
+        default = GammaConfig()
+        if (self.gamma_config.fixed, self.gamma_config.max_gamma) != (default.fixed, default.max_gamma):
+            raise ValueError("set γ with EngineConfig(gamma=..., max_gamma=...), not in gamma_config "
+                             f"(got gamma_config fixed={self.gamma_config.fixed}, max_gamma={self.gamma_config.max_gamma})")
+        dataclasses.replace(self.gamma_config, fixed=self.gamma, max_gamma=self.max_gamma)  # raises ValueError on a γ it cannot run
         if self.stream_idle_timeout is not None and not self.stream_idle_timeout > 0:
             raise ValueError(f"stream_idle_timeout must be > 0 seconds or None, got {self.stream_idle_timeout!r}")
         if self.suffix_cache_tokens < 1:
             raise ValueError(f"suffix_cache_tokens must be at least 1, got {self.suffix_cache_tokens}")
+
+    def gamma_for(self, cap: int | None = None) -> GammaConfig:
+        """The γ config a generation runs with: gamma_config with this config's γ, both capped at
+        `cap` (a request's max_gamma; None: max_gamma)."""
+        cap = self.max_gamma if cap is None else cap
+        fixed = None if self.gamma is None else min(self.gamma, cap)
+        return dataclasses.replace(self.gamma_config, fixed=fixed, max_gamma=cap)
 
 
 @dataclass(frozen=True)
@@ -301,9 +317,7 @@ class Engine:
         drafter = self._drafters[kind]
         if self.config.calibrate and not calibrated(self.costs, drafter):
             calibrate(self.target, drafter, self.costs, self.bundle.manifest.tokenizer.eos_token_ids[0], self.config.max_gamma)
-        cap = self.config.max_gamma if speculation is None or speculation.max_gamma is None else speculation.max_gamma
-        fixed = None if self.config.gamma is None else min(self.config.gamma, cap)
-        return kind, drafter, GammaConfig(fixed=fixed, max_gamma=cap)
+        return kind, drafter, self.config.gamma_for(None if speculation is None else speculation.max_gamma)
 
     def forget(self) -> None:
         """Drop what every drafter keeps from earlier sequences (the suffix cache)."""
@@ -354,7 +368,7 @@ class Engine:
             if speculative:
                 kind, drafter, gamma = self._request_drafter(config.speculation)
             else:
-                kind, drafter, gamma = "none", None, GammaConfig(max_gamma=self.config.max_gamma)
+                kind, drafter, gamma = "none", None, dataclasses.replace(self.config.gamma_for(), fixed=None)
             for item in self._stream_locked(list(prompt_ids), config, drafter, cancel, gamma, kind):
                 self._idle_since = time.monotonic()
                 yield item
@@ -392,7 +406,7 @@ class Engine:
         stop_reason = None
         began = time.perf_counter()
         first_step_at = None
-        gamma = gamma or GammaConfig(fixed=self.config.gamma, max_gamma=self.config.max_gamma)
+        gamma = gamma or self.config.gamma_for()
         used = {"drafter": kind or ("none" if drafter is None else self.config.drafter),
                 "gamma": "auto" if gamma.fixed is None else gamma.fixed, "max_gamma": gamma.max_gamma}
         policy = self.policy.start(drafter, config.max_new_tokens, gamma)

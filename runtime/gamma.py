@@ -36,10 +36,23 @@ class GammaConfig:
     prior_weight: float = 4.0
 
     def __post_init__(self):
+        for name in ("fixed", "max_gamma", "probe_first", "probe_every", "max_failed_probes"):
+            value = getattr(self, name)
+            if not (value is None and name == "fixed") and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
         if self.fixed is not None and not 1 <= self.fixed <= MAX_GAMMA:
             raise ValueError(f"gamma must be 1..{MAX_GAMMA} (or adaptive), got {self.fixed}; --draft none decodes without drafting")
         if not 1 <= self.max_gamma <= MAX_GAMMA:
             raise ValueError(f"max_gamma must be 1..{MAX_GAMMA}, got {self.max_gamma}")
+        if self.probe_first < 1 or self.probe_every < 1:
+            raise ValueError(f"probe_first and probe_every must be >= 1, got {self.probe_first} and {self.probe_every}")
+        if self.max_failed_probes < 0:
+            raise ValueError(f"max_failed_probes must be >= 0, got {self.max_failed_probes}")
+        for name in ("min_gain", "max_loss", "prior_weight"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not 0 < self.decay <= 1:
+            raise ValueError(f"decay must be in (0, 1], got {self.decay!r}")
 
 
 class CostModel:

@@ -1,5 +1,5 @@
-"""The speculative decoding loop: choose, draft, verify in one target pass, accept, roll back,
-report the round to the policy.
+"""The speculative decoding loop: choose a plan, draft, verify in one target pass, accept, roll
+back, report the round to the policy with its plan.
 
 It prints nothing and decides no stopping: it yields one Step per target pass and the
 caller stops consuming when it has enough. What to draft and how much is the policy's
@@ -53,9 +53,10 @@ def decode_steps(
     policy: RoundPolicy,
     clock: Callable[[], float] = time.perf_counter,
 ) -> Iterator[Step]:
-    """policy: started for this drafter and sequence (RoundPolicy.start); it chooses each
-    round's drafter and γ and learns from each round. clock: seconds, read for every timing the
-    policy learns from (the drafters' too), so a fake clock makes adaptive γ deterministic."""
+    """policy: started for this drafter and sequence (RoundPolicy.start); it plans each round
+    (drafter and γ) and learns from each round, handed back with its plan. clock: seconds, read
+    for every timing the policy learns from (the drafters' too), so a fake clock makes adaptive
+    γ deterministic."""
     tokens = np.asarray(prompt_ids, dtype=np.int64)
     # Rows that already hold a prefix of this prompt (a previous turn of a chat) are kept.
     target.cache.rollback_to_prefix(tokens[:-1])
@@ -65,8 +66,9 @@ def decode_steps(
     target.prefill(tokens[target.cache.kv_len : -1])  # the last prompt token stays pending: every round feeds it first
     while True:
         began = clock()
-        active, gamma = policy.choose(tokens)
-        gamma = min(gamma, target.cache.max_context - len(tokens))
+        plan = policy.choose(tokens)
+        active = plan.drafter
+        gamma = min(plan.gamma, target.cache.max_context - len(tokens))
         proposal = active.propose(tokens, gamma, sampling, rng) if gamma > 0 else None
         drafted_at = clock()
         block = tokens[-1:] if proposal is None else np.concatenate([tokens[-1:], proposal.tokens])
@@ -81,5 +83,5 @@ def decode_steps(
         if drafter is not None:
             drafter.accepted(tokens, n_accepted)
         done = Round.of(active, gamma, proposal, n_accepted, len(new_tokens), began, drafted_at, verified_at)
-        policy.observe(done)
+        policy.observe(plan, done)
         yield Step(tuple(int(t) for t in new_tokens), gamma, done.n_drafted, n_accepted, done.draft_s, done.target_s, done.drafter)

@@ -9,13 +9,15 @@ pass per token for plain decoding, so the expected speedup of γ is
 which is the textbook E / (1 + γc) when a (γ+1)-token pass costs what a 1-token pass does.
 Both t_draft and the verify-cost curve t_target(T) are measured on this device (CostModel).
 
-The loop asks `RoundPolicy.choose(tokens)` before each round and reports `observe(round)` once
-after it; everything the policy learns (costs, α, probes, the loss ledger) goes through those.
+The loop asks `RoundPolicy.choose(tokens)` before each round and gets a frozen Plan (drafter, γ,
+and what the choice assumed); it hands that plan back with what the round did in
+`observe(plan, round)`, once. Nothing about a round is left on the policy between the two calls;
+everything the policy learns (costs, α, probes, the loss ledger) goes through observe.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -49,6 +51,26 @@ class Round:
                    caught_up.catch_up_tokens if caught_up else 0, caught_up.catch_up_seconds if caught_up else 0.0)
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What `choose` decided for one round and what the decision assumed; `observe` learns from
+    it and the Round, so the policy keeps nothing about the round in between."""
+
+    drafter: Drafter | None = None  # the part that drafts; None: a plain step (no drafter)
+    gamma: int = 0  # tokens to draft (0: a plain step)
+    evidence: int = 0  # the evidence class (Drafter.evidence) whose α the round's outcome updates
+    probe: bool = False  # drafted while the part is switched off, to refresh α: its outcome moves the probe schedule
+    whole_replay: bool = False  # a probe no later round carries: the ledger holds all of its replay, not a share
+    draft_step_s: float = 0.0  # the seconds of a draft step the choice assumed
+    replay_s: float = 0.0  # the seconds of replay before drafting the choice assumed
+
+    def __post_init__(self):
+        if self.gamma < 0:
+            raise ValueError(f"a plan's gamma must be >= 0, got {self.gamma}")
+        if self.whole_replay and not self.probe:
+            raise ValueError("only a probe holds its replay whole")
+
+
 class AlphaEstimate:
     """Per-token acceptance from decayed pseudo-counts: accepted / (accepted + rejections), the
     MLE for a geometric run truncated at γ (positions after a rejection are never observed)."""
@@ -79,7 +101,7 @@ class AlphaEstimate:
 class ProbeSchedule:
     """When a drafter that is switched off drafts once more: after probe_first plain steps, then
     twice as many after each probe that does not turn it back on, up to probe_every, until
-    max_failed_probes in a row were rejected."""
+    max_failed_probes in a row were rejected. Whether a round is a probe travels in its Plan."""
 
     def __init__(self, config: GammaConfig):
         self.config = config
@@ -89,14 +111,12 @@ class ProbeSchedule:
         self.plain_steps = 0
         self.gap = self.config.probe_first
         self.failed = 0
-        self.probing = False
 
     def speculating(self) -> None:
-        """Speculation pays again: the next switch-off probes soon, and this round is no probe."""
+        """Speculation pays again: the next switch-off probes soon."""
         self.plain_steps = 0
         self.gap = self.config.probe_first
         self.failed = 0
-        self.probing = False
 
     def sit_out(self) -> bool:
         """Count a plain step; True when a probe is due."""
@@ -106,14 +126,11 @@ class ProbeSchedule:
     def probe(self) -> None:
         self.plain_steps = 0
         self.gap = min(2 * self.gap, self.config.probe_every)
-        self.probing = True
 
     def outcome(self, n_drafted: int, n_accepted: int) -> None:
-        if self.probing:
-            # A probe fails when the target rejects a drafted token; one accepted in full is
-            # evidence for the drafter even while the prior still keeps the predicted gain low.
-            self.failed = 0 if n_accepted == n_drafted else self.failed + 1
-            self.probing = False
+        """A probe's outcome: it fails when the target rejects a drafted token; one accepted in
+        full is evidence for the drafter even while the prior still keeps the predicted gain low."""
+        self.failed = 0 if n_accepted == n_drafted else self.failed + 1
 
 
 class LossLedger:
@@ -171,7 +188,6 @@ class PartPolicy:
         self.estimates: dict[int, AlphaEstimate] = {}
         self.probes = ProbeSchedule(config)
         self.ledger = LossLedger(config.max_loss, costs)
-        self.whole_replay = False  # the round last chosen is a probe whose replay no later round carries
         self.start()
 
     def estimate(self, evidence: int = 0) -> AlphaEstimate:
@@ -228,23 +244,24 @@ class PartPolicy:
             return self.expected_speedup(self.config.fixed, draft_step_cost, replay_seconds, evidence)
         return max(self._gains(draft_step_cost, replay_seconds, evidence).values())
 
-    def choose(self, draft_step_cost: float, replay_seconds: float = 0.0, evidence: int = 0) -> int:
-        """γ for the next round (0: a plain target step), given the seconds of one draft step
-        (0 for copying drafters), of replaying what the drafter missed before it can draft (a
-        draft model after plain or copy rounds), and the round's evidence class. Only a γ whose
-        worst case the ledger can afford is considered: a long first round on a prior carried
-        over from other text must not spend the whole sequence's room at once."""
-        self.whole_replay = False
+    def choose(self, draft_step_cost: float, replay_seconds: float = 0.0, evidence: int = 0) -> Plan:
+        """The plan for the next round (γ 0: a plain target step; drafter left to RoundPolicy),
+        given the seconds of one draft step (0 for copying drafters), of replaying what the
+        drafter missed before it can draft (a draft model after plain or copy rounds), and the
+        round's evidence class. Only a γ whose worst case the ledger can afford is considered:
+        a long first round on a prior carried over from other text must not spend the whole
+        sequence's room at once."""
+        assumed = dict(evidence=evidence, draft_step_s=draft_step_cost, replay_s=replay_seconds)
         if self.config.fixed is not None:
-            return self.config.fixed
+            return Plan(gamma=self.config.fixed, **assumed)
         gains = self._gains(draft_step_cost, replay_seconds, evidence)
         affordable = [g for g in gains if g]
         if not affordable:
-            return 0
+            return Plan(**assumed)
         best = max(gains, key=lambda g: gains[g])  # the first of equals: the shortest
         if gains[best] >= self.config.min_gain:
             self.probes.speculating()
-            return best
+            return Plan(gamma=best, **assumed)
         if self.probes.sit_out():
             # Conditions change (a code block starts, say): draft once to refresh α. Its replay
             # is carried by later rounds only if the model, once caught up, would draft on its
@@ -256,16 +273,29 @@ class PartPolicy:
             probes = [g for g in affordable if self.worst_loss(g, draft_step_cost, replay_seconds, whole) <= room]
             if probes:
                 self.probes.probe()
-                self.whole_replay = whole
-                return max(probes, key=lambda g: gains[g])
-        return 0
+                return Plan(gamma=max(probes, key=lambda g: gains[g]), probe=True, whole_replay=whole, **assumed)
+        return Plan(**assumed)
 
-    def update(self, n_drafted: int, n_accepted: int, evidence: int = 0) -> None:
-        """The outcome of a round this drafter drafted (nothing drafted: no information)."""
+    def update(self, plan: Plan, n_drafted: int, n_accepted: int) -> None:
+        """The outcome of a round this drafter drafted on `plan` (nothing drafted: no information):
+        α for the plan's evidence class, and the probe schedule if the plan was a probe."""
         if n_drafted == 0:
             return
-        self.probes.outcome(n_drafted, n_accepted)
-        self.estimate(evidence).update(n_drafted, n_accepted)
+        if plan.probe:
+            self.probes.outcome(n_drafted, n_accepted)
+        self.estimate(plan.evidence).update(n_drafted, n_accepted)
+
+    def observe(self, plan: Plan, done: Round) -> None:
+        """A round this drafter drafted on `plan`: α and probes (update), and what it lost in the
+        ledger, its replay held by the round's share (replay_share) or whole for a probe that
+        later rounds are not expected to carry (Plan.whole_replay)."""
+        self.update(plan, done.n_drafted, done.n_accepted)
+        replay = done.catch_up_s if plan.whole_replay else self.replay_share(done.catch_up_s, done.n_committed)
+        self.ledger.record(done.round_s - done.catch_up_s + replay, done.n_committed)
+
+    def committed(self, n_tokens: int, taken: bool = False) -> None:
+        """The sequence committed n_tokens; taken: by a round another part of the drafter drafted."""
+        self.ledger.advance(n_tokens, taken)
 
 
 class RoundPolicy:
@@ -282,7 +312,6 @@ class RoundPolicy:
         self.drafter: Drafter | None = None
         self.parts: dict[str, PartPolicy] = {}  # this sequence's, by part name
         self._priced: set[str] = set()  # this sequence's parts whose draft steps the cost model times
-        self._evidence = 0  # the evidence class of the round last chosen, which observe() learns α for
 
     def start(self, drafter: Drafter | None, horizon_tokens: int = 256, config: GammaConfig = GammaConfig()) -> "RoundPolicy":
         """A new sequence of up to horizon_tokens, drafted by `drafter` (None: plain decoding)."""
@@ -297,18 +326,18 @@ class RoundPolicy:
             self.parts[part.name].start(horizon_tokens)
         return self
 
-    def choose(self, tokens) -> tuple[Drafter | None, int]:
-        """The drafter for the round after `tokens` and its γ (0: plain). Of a mixed drafter's
-        parts able to draft, the one whose best affordable round is expected to gain most (the
-        drafter's preference among equals): a short n-gram match found almost anywhere in code
-        must not take every round from a draft model that is doing better."""
+    def choose(self, tokens) -> Plan:
+        """The plan for the round after `tokens`: its drafter and γ (0: plain), with what the
+        choice assumed. Of a mixed drafter's parts able to draft, the one whose best affordable
+        round is expected to gain most (the drafter's preference among equals): a short n-gram
+        match found almost anywhere in code must not take every round from a draft model that
+        is doing better."""
         if self.drafter is None:
-            return None, 0
+            return Plan()
         options = self.drafter.candidates(tokens) if isinstance(self.drafter, Selects) else [self.drafter]
         evidence = {p.name: p.evidence(tokens) for p in options}
         part = max(options, key=lambda p: self.parts[p.name].best_gain(*self._costs_of(p, tokens), evidence[p.name]))
-        self._evidence = evidence[part.name]
-        return part, self.parts[part.name].choose(*self._costs_of(part, tokens), self._evidence)
+        return replace(self.parts[part.name].choose(*self._costs_of(part, tokens), evidence[part.name]), drafter=part)
 
     def _costs_of(self, part: Drafter, tokens) -> tuple[float, float]:
         """Seconds of one draft step of `part` and of its replay before it can draft after `tokens`."""
@@ -316,19 +345,15 @@ class RoundPolicy:
         replay = self.costs.replay_cost(part.name, part.replay_tokens(tokens)) if isinstance(part, CatchesUp) else 0.0
         return step_cost, replay
 
-    def observe(self, done: Round) -> None:
-        """Learn from a finished round: the verify pass's cost, and for a drafted round its
-        drafter's α, probe outcome, ledger entry and draft and replay costs."""
+    def observe(self, plan: Plan, done: Round) -> None:
+        """Learn from a finished round, drafted on `plan` (what choose returned for it): the
+        verify pass's cost, and for a drafted round its drafter's α, probe outcome, ledger entry
+        and draft and replay costs."""
         self.costs.record_target(done.n_drafted + 1, done.target_s)
         if done.n_drafted:
-            part = self.parts[done.drafter]
-            part.update(done.n_drafted, done.n_accepted, self._evidence)
-            # The ledger holds the round's share of its replay (replay_share), or all of it for
-            # a probe that later rounds are not expected to carry (PartPolicy.choose).
-            replay = done.catch_up_s if part.whole_replay else part.replay_share(done.catch_up_s, done.n_committed)
-            part.ledger.record(done.round_s - done.catch_up_s + replay, done.n_committed)
+            self.parts[done.drafter].observe(plan, done)
             if done.drafter in self._priced:
                 self.costs.record_draft(done.drafter, done.n_drafted, done.draft_s - done.catch_up_s)
                 self.costs.record_replay(done.drafter, done.catch_up_tokens, done.catch_up_s)
         for name, policy in self.parts.items():
-            policy.ledger.advance(done.n_committed, taken=done.drafter not in (None, name))
+            policy.committed(done.n_committed, taken=done.drafter not in (None, name))

@@ -23,7 +23,7 @@ from runtime.gamma import CostModel, GammaConfig
 from runtime.kv_cache import KVCache
 from runtime.loop import decode_steps
 from runtime.drafters.prompt_lookup import PromptLookupDrafter, match_class
-from runtime.policy import PartPolicy, Round, RoundPolicy
+from runtime.policy import PartPolicy, Plan, Round, RoundPolicy
 
 VOCAB = 50
 GREEDY = SamplingConfig()
@@ -236,25 +236,25 @@ def _with_alpha(alpha: float, costs: CostModel, config: GammaConfig = GammaConfi
 
 def test_fixed_gamma_is_returned_as_is():
     controller = PartPolicy(GammaConfig(fixed=5), _costs({1: 1.0}))
-    assert controller.choose(100.0) == 5
-    controller.update(5, 0)
-    assert controller.choose(100.0) == 5
+    assert controller.choose(100.0) == Plan(gamma=5, draft_step_s=100.0)
+    controller.update(Plan(gamma=5), 5, 0)
+    assert controller.choose(100.0).gamma == 5
 
 
 def test_expensive_draft_chooses_zero():
     costs = _costs({1: 1.0, 2: 1.0, 9: 1.0})
-    assert _with_alpha(0.9, costs).choose(draft_step_cost=1.5) == 0
+    assert _with_alpha(0.9, costs).choose(draft_step_cost=1.5).gamma == 0
 
 
 def test_low_alpha_chooses_zero():
     costs = _costs({1: 1.0, 9: 1.8})  # a bigger block costs more
-    assert _with_alpha(0.05, costs).choose(draft_step_cost=0.01) == 0
+    assert _with_alpha(0.05, costs).choose(draft_step_cost=0.01).gamma == 0
 
 
 def test_cheap_draft_high_alpha_speculates():
     costs = _costs({1: 1.0, 9: 1.2})
     controller = _with_alpha(0.9, costs)
-    gamma = controller.choose(draft_step_cost=0.02)
+    gamma = controller.choose(draft_step_cost=0.02).gamma
     assert 1 <= gamma <= 8
     gains = [controller.expected_speedup(g, 0.02) for g in range(9)]
     assert gamma == int(np.argmax(gains)) and gains[gamma] > 2.0
@@ -268,7 +268,7 @@ def test_cheap_draft_high_alpha_speculates():
 
 def test_higher_alpha_never_shortens_gamma():
     costs = _costs({1: 1.0, 9: 1.5})
-    chosen = [_with_alpha(a, costs).choose(0.05) for a in (0.5, 0.7, 0.8, 0.9, 0.95)]
+    chosen = [_with_alpha(a, costs).choose(0.05).gamma for a in (0.5, 0.7, 0.8, 0.9, 0.95)]
     assert chosen == sorted(chosen) and chosen[-1] > chosen[0]
 
 
@@ -276,9 +276,10 @@ def _rounds(controller: PartPolicy, n: int, draft_step_cost: float, accept: bool
     """γ chosen for n rounds; every drafted round is rejected at its first token (or accepted in full)."""
     choices = []
     for _ in range(n):
-        gamma = controller.choose(draft_step_cost=draft_step_cost)
+        plan = controller.choose(draft_step_cost=draft_step_cost)
+        gamma = plan.gamma
         if gamma:
-            controller.update(gamma, gamma if accept else 0)
+            controller.update(plan, gamma, gamma if accept else 0)
         choices.append(gamma)
     return choices
 
@@ -299,19 +300,20 @@ def test_alpha_is_learned_per_evidence_class():
     none at short ones, where one α for both would choose the same for each."""
     controller = PartPolicy(GammaConfig(max_loss=10.0), _costs({1: 1.0, 9: 1.8}))
     for _ in range(20):
-        controller.update(4, 4, evidence=4)
-        controller.update(4, 0, evidence=1)
+        controller.update(Plan(gamma=4, evidence=4), 4, 4)
+        controller.update(Plan(gamma=4, evidence=1), 4, 0)
     assert controller.alpha(4) > 0.9 and controller.alpha(1) < 0.2
-    assert controller.choose(0.0, evidence=4) >= 4 and controller.choose(0.0, evidence=1) == 0
+    assert controller.choose(0.0, evidence=4).gamma >= 4 and controller.choose(0.0, evidence=1).gamma == 0
 
 
 def test_round_policy_learns_alpha_for_the_class_the_drafter_reported():
     lookup = PromptLookupDrafter()
     policy = RoundPolicy(_costs({1: 1.0, 9: 1.2})).start(lookup, config=GammaConfig(max_loss=10.0))
     long_match = np.array([5, 6, 7, 8, 9, 1, 2, 3, 5, 6, 7, 8, 9])  # a 5-token match: class 3
-    part, gamma = policy.choose(long_match)
-    assert part is lookup and gamma >= 1
-    policy.observe(Round("lookup", gamma, gamma, gamma, gamma + 1, 0.0, 1.0, 1.0))
+    plan = policy.choose(long_match)
+    gamma = plan.gamma
+    assert plan.drafter is lookup and gamma >= 1 and plan.evidence == 3 and not plan.probe
+    policy.observe(plan, Round("lookup", gamma, gamma, gamma, gamma + 1, 0.0, 1.0, 1.0))
     learned = policy.parts["lookup"].estimates
     assert learned[3].n_accepted == pytest.approx(0.98 * 1.2 + gamma) and 1 not in learned
 
@@ -353,11 +355,12 @@ def test_a_probe_accepted_in_full_is_not_a_failure():
 def test_a_probe_that_wins_keeps_probing_alive():
     costs = _costs({1: 1.0, 2: 1.0})
     controller = _with_alpha(0.1, costs, GammaConfig(probe_first=2, probe_every=8, max_failed_probes=1))
-    assert [controller.choose(draft_step_cost=0.2) for _ in range(2)] == [0, 1]
-    controller.update(1, 1)  # the probe was accepted ...
+    plans = [controller.choose(draft_step_cost=0.2) for _ in range(2)]
+    assert [plan.gamma for plan in plans] == [0, 1] and plans[1].probe
+    controller.update(plans[1], 1, 1)  # the probe was accepted ...
     for _ in range(30):
-        controller.update(1, 1)  # ... and so is every later draft: α climbs, speculation wins
-    assert controller.choose(draft_step_cost=0.2) >= 1 and controller.probes.failed == 0
+        controller.update(Plan(gamma=1), 1, 1)  # ... and so is every later draft: α climbs, speculation wins
+    assert controller.choose(draft_step_cost=0.2).gamma >= 1 and controller.probes.failed == 0
 
 
 def test_ledger_switches_off_a_drafter_whose_rounds_lose():
@@ -367,14 +370,14 @@ def test_ledger_switches_off_a_drafter_whose_rounds_lose():
     controller = _with_alpha(0.9, costs, GammaConfig(max_loss=0.05))
     controller.start(horizon_tokens=100)  # room: 0.05 · 100 tokens · 1 s = 5 s
     rounds = 0
-    while controller.choose(draft_step_cost=0.05):
+    while controller.choose(draft_step_cost=0.05).gamma:
         controller.ledger.record(seconds=3.0, n_tokens=1)  # each round loses 2 s against plain
         rounds += 1
         assert rounds < 10
     assert rounds == 3 and controller.ledger.loss_seconds == pytest.approx(6.0)
-    assert all(controller.choose(0.05) == 0 for _ in range(100))  # no probes either
+    assert all(controller.choose(0.05).gamma == 0 for _ in range(100))  # no probes either
     controller.start(horizon_tokens=100)  # a new sequence opens a new ledger
-    assert controller.choose(0.05) >= 1
+    assert controller.choose(0.05).gamma >= 1
 
 
 def test_ledger_room_grows_with_the_tokens_committed():
@@ -385,11 +388,11 @@ def test_ledger_room_grows_with_the_tokens_committed():
     controller = _with_alpha(0.9, costs, GammaConfig(max_loss=0.05))
     controller.start(horizon_tokens=100)
     controller.ledger.record(seconds=7.0, n_tokens=1)  # lost 6 s: 1 s over the 5 s room
-    assert controller.choose(0.05) == 0
+    assert controller.choose(0.05).gamma == 0
     controller.ledger.advance(20)  # 20 plain tokens: + 0.05 · 20 · 1 s, room 0 s
-    assert controller.ledger.room() == pytest.approx(0.0) and controller.choose(0.05) == 0
+    assert controller.ledger.room() == pytest.approx(0.0) and controller.choose(0.05).gamma == 0
     controller.ledger.advance(4)  # room 0.2 s: a γ = 1 round's worst case is 0.05 + 1.1 - 1 = 0.15 s
-    assert controller.choose(0.05) == 1
+    assert controller.choose(0.05).gamma == 1
 
 
 def test_round_length_is_sized_to_the_room_left():
@@ -398,10 +401,10 @@ def test_round_length_is_sized_to_the_room_left():
     costs = _costs({1: 1.0, 2: 1.2, 3: 1.4, 5: 1.8, 9: 2.6})
     controller = _with_alpha(0.99, costs, GammaConfig(max_loss=0.01, max_gamma=8))
     controller.start(horizon_tokens=100)  # room 1 s
-    first = controller.choose(draft_step_cost=0.0)
+    first = controller.choose(draft_step_cost=0.0).gamma
     assert first >= 1 and controller.worst_loss(first, 0.0) <= 1.0 < controller.worst_loss(first + 1, 0.0)
     controller.ledger.record(seconds=1.0, n_tokens=first + 1)  # accepted in full: won first s
-    assert controller.choose(draft_step_cost=0.0) > first  # wins buy longer rounds
+    assert controller.choose(draft_step_cost=0.0).gamma > first  # wins buy longer rounds
 
 
 def test_ledger_wins_earn_room_for_later_losses():
@@ -410,9 +413,9 @@ def test_ledger_wins_earn_room_for_later_losses():
     controller.start(horizon_tokens=100)  # room 1 s
     controller.ledger.record(seconds=1.2, n_tokens=3)  # won 1.8 s
     controller.ledger.record(seconds=3.5, n_tokens=1)  # lost 2.5 s: net loss 0.7 s, within budget
-    assert controller.ledger.room() > 0 and controller.choose(0.05) >= 1
+    assert controller.ledger.room() > 0 and controller.choose(0.05).gamma >= 1
     controller.ledger.record(seconds=1.5, n_tokens=1)  # net loss 1.2 s
-    assert controller.ledger.room() < 0 and controller.choose(0.05) == 0
+    assert controller.ledger.room() < 0 and controller.choose(0.05).gamma == 0
 
 
 def test_loop_feeds_the_ledger_what_rounds_took():
@@ -440,8 +443,8 @@ def test_a_replay_counts_whole_in_the_gain_and_by_its_share_in_the_ledger():
     costs = _costs({1: 1.0, 2: 1.1, 3: 1.2, 5: 1.4})
     controller = _with_alpha(0.9, costs, GammaConfig(probe_first=100))
     controller.start(horizon_tokens=100)
-    assert controller.choose(draft_step_cost=0.1) >= 1  # a cheap, accurate draft wins ...
-    assert controller.choose(draft_step_cost=0.1, replay_seconds=10.0) == 0  # ... unless its round cannot repay a 10 s replay
+    assert controller.choose(draft_step_cost=0.1).gamma >= 1  # a cheap, accurate draft wins ...
+    assert controller.choose(draft_step_cost=0.1, replay_seconds=10.0).gamma == 0  # ... unless its round cannot repay a 10 s replay
     assert controller.expected_speedup(2, 0.1, 3.0) == pytest.approx(
         expected_tokens_per_pass(0.9, 2) * 1.0 / (3.0 + 2 * 0.1 + costs.target_cost(3)))
     # The ledger would hold a hundredth of it: the round's token of the 100 the model may still commit.
@@ -462,7 +465,7 @@ def test_a_draft_model_that_sat_out_comes_back():
     controller.ledger.advance(1)
     lag, drafted = 0, []
     for _ in range(100):
-        gamma = controller.choose(draft_step_cost=0.16, replay_seconds=0.08 * lag)
+        gamma = controller.choose(draft_step_cost=0.16, replay_seconds=0.08 * lag).gamma
         drafted.append(gamma)
         if gamma:
             break
@@ -479,22 +482,24 @@ def test_a_probe_that_buys_only_information_pays_its_replay_whole():
     costs = _costs({1: 1.0, 2: 1.27, 3: 1.84, 4: 2.13})
     low = _with_alpha(0.4, costs)
     low.start(horizon_tokens=128)  # room 1.28 s; a γ = 1 probe's worst case is 0.43 s plus its replay
-    assert not any(low.choose(draft_step_cost=0.16, replay_seconds=0.08 * 40) for _ in range(40))  # 3.2 s replay
-    assert low.choose(draft_step_cost=0.16, replay_seconds=0.08 * 4) == 1 and low.whole_replay  # 0.32 s: affordable
+    assert not any(low.choose(draft_step_cost=0.16, replay_seconds=0.08 * 40).gamma for _ in range(40))  # 3.2 s replay
+    plan = low.choose(draft_step_cost=0.16, replay_seconds=0.08 * 4)
+    assert plan.gamma == 1 and plan.probe and plan.whole_replay and plan.replay_s == pytest.approx(0.32)  # 0.32 s: affordable
     high = _with_alpha(0.95, costs)  # caught up it would gain: its probe's replay goes by share
     high.start(horizon_tokens=128)
     high.ledger.record(2 * 0.16 + 1.84, 1)
     high.ledger.advance(1)
     for lag in range(100):
-        if high.choose(draft_step_cost=0.16, replay_seconds=0.08 * lag):
+        plan = high.choose(draft_step_cost=0.16, replay_seconds=0.08 * lag)
+        if plan.gamma:
             break
         high.ledger.advance(1)
-    assert 10 < lag < 99 and not high.whole_replay
+    assert 10 < lag < 99 and not plan.whole_replay
     lm = ToyLM(3)
     policy = RoundPolicy(_costs({1: 1.0, 2: 1.0})).start(DraftModelDrafter(lm), horizon_tokens=50)
     part = policy.parts["model"]
-    part.whole_replay = True
-    policy.observe(Round("model", 2, 2, 0, 1, draft_s=2.5, target_s=1.0, round_s=3.5, catch_up_tokens=20, catch_up_s=2.0))
+    probe = Plan(policy.drafter, 2, probe=True, whole_replay=True)
+    policy.observe(probe, Round("model", 2, 2, 0, 1, draft_s=2.5, target_s=1.0, round_s=3.5, catch_up_tokens=20, catch_up_s=2.0))
     assert part.ledger.loss_seconds == pytest.approx(3.5 - 1.0)
 
 
@@ -502,7 +507,7 @@ def test_the_ledger_records_a_replay_by_the_share_its_round_pays():
     lm = ToyLM(3)
     policy = RoundPolicy(_costs({1: 1.0, 2: 1.0})).start(DraftModelDrafter(lm), horizon_tokens=50)
     part = policy.parts["model"]
-    policy.observe(Round("model", 2, 2, 2, 3, draft_s=2.5, target_s=1.0, round_s=3.5, catch_up_tokens=20, catch_up_s=2.0))
+    policy.observe(Plan(policy.drafter, 2), Round("model", 2, 2, 2, 3, draft_s=2.5, target_s=1.0, round_s=3.5, catch_up_tokens=20, catch_up_s=2.0))
     # 3.5 s, less the 2 s replay, plus 3/50 of it; against 3 one-token passes.
     assert part.ledger.loss_seconds == pytest.approx(3.5 - 2.0 + 2.0 * 3 / 50 - 3.0)
     assert part.ledger.tokens == 3
@@ -513,8 +518,8 @@ def test_a_replay_is_spread_over_the_tokens_copies_leave_the_draft_model():
 
     policy = RoundPolicy(_costs({1: 1.0, 2: 1.1})).start(MixedDrafter([PromptLookupDrafter()], DraftModelDrafter(ToyLM(3))), horizon_tokens=100)
     model, lookup = policy.parts["model"], policy.parts["lookup"]
-    policy.observe(Round("lookup", 8, 8, 8, 9, draft_s=0.0, target_s=2.0, round_s=2.0))
-    policy.observe(Round(None, 0, 0, 0, 1, draft_s=0.0, target_s=1.0, round_s=1.0))
+    policy.observe(Plan(policy.drafter.parts()[0], 8), Round("lookup", 8, 8, 8, 9, draft_s=0.0, target_s=2.0, round_s=2.0))
+    policy.observe(Plan(), Round(None, 0, 0, 0, 1, draft_s=0.0, target_s=1.0, round_s=1.0))
     assert (model.ledger.taken, lookup.ledger.taken, model.ledger.tokens) == (9, 0, 10)
     # 90 tokens left, of which the model may expect the tenth that copies did not take.
     assert model.ledger.reach() == pytest.approx(9.0) and lookup.ledger.reach() == pytest.approx(90.0)
@@ -526,11 +531,11 @@ def test_a_probe_the_ledger_cannot_afford_is_not_run():
     config = GammaConfig(probe_first=2, probe_every=2, max_failed_probes=100, max_loss=0.05)
     cheap = _with_alpha(0.5, costs, config)
     cheap.start(horizon_tokens=100)  # budget 5 s
-    assert [cheap.choose(draft_step_cost=3.0) for _ in range(2)] == [0, 1]  # expected loss 2.5 s: affordable
+    assert [cheap.choose(draft_step_cost=3.0).gamma for _ in range(2)] == [0, 1]  # expected loss 2.5 s: affordable
     costly = _with_alpha(0.5, costs, config)
     costly.start(horizon_tokens=100)
     # 1000 s of replay ahead: even the hundredth of it a 1-token round pays is twice the budget.
-    assert [costly.choose(draft_step_cost=3.0, replay_seconds=1000.0) for _ in range(6)] == [0] * 6
+    assert [costly.choose(draft_step_cost=3.0, replay_seconds=1000.0).gamma for _ in range(6)] == [0] * 6
 
 
 def test_replay_cost_is_measured_per_token():
@@ -575,26 +580,26 @@ def test_draft_model_catches_up_in_one_pass_after_a_fully_accepted_round():
 def test_a_new_sequence_keeps_alpha_but_not_the_weight_of_its_evidence():
     controller = PartPolicy(GammaConfig(decay=1.0, prior_weight=4.0), CostModel(), prior_alpha=0.5)
     for _ in range(50):
-        controller.update(2, 0)  # a long run of rejections: α ≈ 0.02, backed by ~50 rounds
+        controller.update(Plan(gamma=2), 2, 0)  # a long run of rejections: α ≈ 0.02, backed by ~50 rounds
     alpha = controller.alpha()
     controller.start()
     assert controller.alpha() == pytest.approx(alpha)  # the estimate carries over ...
     assert controller.estimate().n_accepted + controller.estimate().n_rejected == pytest.approx(4.0)  # ... as a prior worth 4 rounds
     for _ in range(4):
-        controller.update(3, 3)  # so a few accepted rounds of another kind of text overturn it
+        controller.update(Plan(gamma=3), 3, 3)  # so a few accepted rounds of another kind of text overturn it
     assert controller.alpha() > 0.7
 
 
 def test_alpha_update_is_the_truncated_geometric_mle():
     controller = PartPolicy(GammaConfig(decay=1.0), CostModel(), prior_alpha=0.5)  # 1 + 1 pseudo-counts
-    controller.update(4, 2)  # 2 accepted, then a rejection
+    controller.update(Plan(gamma=4), 4, 2)  # 2 accepted, then a rejection
     assert controller.alpha() == pytest.approx(3 / 5)
-    controller.update(3, 3)  # all accepted: no rejection observed
+    controller.update(Plan(gamma=3), 3, 3)  # all accepted: no rejection observed
     assert controller.alpha() == pytest.approx(6 / 8)
-    controller.update(0, 0)  # nothing drafted: no information
+    controller.update(Plan(gamma=0), 0, 0)  # nothing drafted: no information
     assert controller.alpha() == pytest.approx(6 / 8)
     decayed = PartPolicy(GammaConfig(decay=0.5), CostModel(), prior_alpha=0.5)
-    decayed.update(2, 0)
+    decayed.update(Plan(gamma=2), 2, 0)
     assert decayed.alpha() == pytest.approx(0.5 / (0.5 + 1.5))
 
 
@@ -606,7 +611,7 @@ def test_alpha_estimate_converges_to_true_acceptance():
         n = 0
         while n < gamma and rng.random() < alpha:
             n += 1
-        controller.update(gamma, n)
+        controller.update(Plan(gamma=gamma), gamma, n)
     assert controller.alpha() == pytest.approx(alpha, abs=0.02)
 
 

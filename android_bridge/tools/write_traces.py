@@ -1,12 +1,13 @@
 """Golden traces from the Python runtime (the reference) for the Kotlin conformance tests.
 
-    python android_bridge/tools/write_traces.py OUT_DIR [--no-real]
+    python android_bridge/tools/write_traces.py OUT_DIR [--no-real | --pure]
 
 Writes JSON files into OUT_DIR:
   rng.json         np.random.default_rng(seed).random() streams (the uniform stream definition)
   sampling.json    process_logits / sample cases: logits, config, probabilities, drawn tokens
   verify.json      verify_greedy / verify_stochastic / verify_deterministic cases
-  gamma.json       PartPolicy (adaptive γ for one drafter) decisions for fixed cost tables and outcomes
+  policy.json      RoundPolicy plans (drafter, γ, evidence, probe, whole replay) and its ledgers, costs and α,
+                   driven through choose/observe over scripted drafter parts and simulated rounds
   commit.json      edge_spec/commit.py on hand-made and random rounds (budget, context, EOS, stop strings)
   cost_model.json  CostModel target_cost / replay_cost / cost_ratio after recorded measurements
   loop.json        decode_steps on fake models (logits recorded per prefix): the empty-residual fallback,
@@ -17,9 +18,12 @@ Writes JSON files into OUT_DIR:
   model_<name>.json  a bundle path, prompt ids, logits, and generations per (drafter, γ, sampling):
                    emitted tokens, per-round drafted/accepted counts, the uniforms consumed; adaptive-γ
                    runs with the fake clock's readings; Engine.generate with stop strings
-Tiny random-weight bundles are built with tests/tiny.py (llama with a draft model and layer skip,
-qwen2); the real one is tests/real.py's smollm2-fp32 (SmolLM2-135M from $EDGE_SPEC_MODELS).
-The Qwen2 tokenizer comes from any qwen bundle present, else from the official GGUF.
+The pure traces (rng .. drafter) drive the production runtime code on numpy fakes: they import
+nothing from tests/ and need no torch (--pure writes only them). The model traces need bundles:
+tiny random-weight ones built with tests/tiny.py (llama with a draft model and layer skip, qwen2;
+torch, through the exporter), the real one tests/real.py's smollm2-fp32 (SmolLM2-135M from
+$EDGE_SPEC_MODELS). The Qwen2 tokenizer comes from any qwen bundle present, else from the
+official GGUF.
 """
 
 from __future__ import annotations
@@ -36,7 +40,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -46,6 +49,17 @@ import numpy as np  # noqa: E402
 
 from edge_spec.sampling import SamplingConfig, process_logits, sample  # noqa: E402
 from edge_spec.verify import verify_deterministic, verify_greedy, verify_stochastic  # noqa: E402
+
+
+def bundle_builders():
+    """tests/tiny.py and tests/real.py, which build and find the bundles the model traces need
+    (only those: the pure traces import nothing from tests/)."""
+    if str(ROOT / "tests") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tests"))
+    import real
+    import tiny
+
+    return tiny, real
 
 
 def log(message: str) -> None:
@@ -125,39 +139,128 @@ def verify_traces() -> list[dict]:
     return cases
 
 
-def gamma_traces() -> list[dict]:
-    from runtime.gamma import CostModel, GammaConfig
-    from runtime.policy import PartPolicy
+def policy_traces() -> list[dict]:
+    """The production RoundPolicy (runtime/policy.py), choose → plan → observe(plan, round), over
+    scripted drafter parts and simulated rounds: adaptive γ, probes, the loss ledger with a draft
+    model's replay held by its share (or whole for a probe), a mixed drafter's choice of part by
+    evidence class, α carried into a second sequence. Each round records what the parts reported
+    (candidates, evidence, tokens to replay), the plan and the Round given back; the JVM replays
+    the parts and Rounds through its own RoundPolicy and must make the same plans."""
+    from runtime.drafters.base import CatchesUp, Drafter, Selects
+    from runtime.gamma import GammaConfig
+    from runtime.policy import Round, RoundPolicy
 
-    gen = np.random.default_rng(5)
+    class Scripted(Drafter):
+        """A part whose reports come from the script for the round keyed by tokens[0]."""
+
+        def __init__(self, name, script):
+            self.name, self.script = name, script
+
+        def evidence(self, tokens):
+            return self.script[int(tokens[0])]["evidence"].get(self.name, 0)
+
+        def propose(self, tokens, gamma, sampling, rng):
+            raise AssertionError("the policy trace drafts nothing")
+
+    class ScriptedModel(Scripted, CatchesUp):
+        def replay_tokens(self, tokens):
+            return self.script[int(tokens[0])]["replay"]
+
+    class ScriptedMixed(Scripted, Selects):
+        def __init__(self, script, members):
+            super().__init__("auto", script)
+            self.members = members
+
+        def parts(self):
+            return self.members
+
+        def candidates(self, tokens):
+            return [m for m in self.members if m.name in self.script[int(tokens[0])]["candidates"]]
+
+    def target_s(block, gen):
+        return (0.010 + 0.001 * block) * float(gen.uniform(0.9, 1.2))
+
     cases = []
-    for i in range(12):
-        costs = CostModel()
-        target = {b: 0.01 * (1.0 + 0.05 * b * (1 + i % 3)) for b in (1, 2, 3, 5, 9)}
-        for block, seconds in target.items():
-            costs.record_target(block, seconds)
-        step_cost = [0.0, 0.001, 0.004, 0.02][i % 4]
-        config = GammaConfig(probe_first=2, probe_every=5, max_failed_probes=[2, 3, 100][i % 3], max_loss=[0.01, 0.05, 1.0, 0.2][i % 4])
-        controller = PartPolicy(config, costs, prior_alpha=[0.6, 0.2, 0.9][i % 3])
-        horizon = [64, 128, 256][i % 3]
-        controller.start(horizon)
-        rounds = []
-        replay = [0.0, 0.02, 0.2][(i // 4) % 3]
-        for _ in range(40):
-            gamma = controller.choose(step_cost, replay)
-            accepted = int(gen.integers(0, gamma + 1)) if gamma else 0
-            # Rounds that take longer than predicted (every other case 3x) run the loss ledger dry.
-            slow = 3.0 if i % 2 else 1.0
-            seconds = float((gamma * step_cost + target[min(target, key=lambda b: abs(b - gamma - 1))]) * gen.uniform(0.8, 1.6) * slow)
-            if gamma:
-                controller.update(gamma, accepted)
-                controller.ledger.record(seconds, accepted + 1)
-            controller.ledger.advance(accepted + 1)
-            rounds.append([gamma, accepted, seconds])
-        cases.append({"target_costs": {str(k): v for k, v in target.items()}, "step_cost": step_cost,
-                      "prior_alpha": [0.6, 0.2, 0.9][i % 3], "probe_first": config.probe_first, "probe_every": config.probe_every,
-                      "max_failed_probes": config.max_failed_probes, "max_loss": config.max_loss, "horizon": horizon, "replay": replay,
-                      "rounds": rounds})
+    runs = (  # drafter, γ config, model α by phase (rounds 0-39, 40-99, 100+), replay seconds per token, seed
+        ("model", dict(max_gamma=6, max_loss=0.05, max_failed_probes=3, probe_every=8, decay=0.9), (0.85, 0.02, 0.9), 0.0008, 1),
+        ("model", dict(max_gamma=6, max_loss=0.02), (0.45, 0.35, 0.5), 0.0008, 2),
+        ("auto", dict(max_gamma=8, max_loss=0.05, max_failed_probes=4, probe_every=8), (0.8, 0.3, 0.85), 0.0008, 3),
+        ("auto", dict(max_gamma=6, max_loss=0.01), (0.5, 0.6, 0.4), 0.0008, 4),
+        ("lookup", dict(max_gamma=8, max_loss=0.03), (0.0, 0.0, 0.0), 0.0008, 5),
+        ("auto", dict(fixed=3, max_gamma=6), (0.7, 0.7, 0.7), 0.0008, 6),
+        # A dear replay (a large draft model) after copy streaks: its share decides which rounds the ledger affords.
+        ("auto", dict(max_gamma=6, max_loss=0.02, probe_every=8), (0.6, 0.4, 0.6), 0.004, 7),
+    )
+    for kind, knobs, model_alpha, replay_per_token, seed in runs:
+        gen = np.random.default_rng(seed)
+        script: list[dict] = []
+        copier, model = Scripted("lookup", script), ScriptedModel("model", script)
+        drafter = {"model": model, "lookup": copier, "auto": ScriptedMixed(script, [copier, model])}[kind]
+        config = GammaConfig(**knobs)
+        policy = RoundPolicy()
+        seeded = {block: target_s(block, gen) for block in range(1, config.max_gamma + 2)}  # as start-up calibration seeds it
+        for block, seconds in seeded.items():
+            policy.costs.record_target(block, seconds)
+        seeded_step = 0.002 if kind != "lookup" else None
+        if seeded_step is not None:
+            policy.costs.record_draft("model", 1, seeded_step)
+        sequences = []
+        for horizon, n_rounds in ((160, 150), (96, 60)):
+            policy.start(drafter, horizon, config)
+            lag, rounds = 0, []
+            for r in range(n_rounds):
+                key = len(script)
+                match = kind == "lookup" or (kind == "auto" and gen.random() < 0.45)
+                evidence = int(gen.integers(1, 6)) if match else 0
+                script.append({"candidates": (["lookup"] if match else []) + (["model"] if kind != "lookup" else []),
+                               "evidence": {"lookup": evidence}, "replay": lag})
+                plan = policy.choose(np.array([key]))
+                gamma, part = plan.gamma, plan.drafter
+                catch_up_tokens, catch_up_s, draft_s, n_drafted, n_accepted = 0, 0.0, 0.0, 0, 0
+                if gamma:
+                    if part.name == "model":
+                        alpha = model_alpha[0 if r < 40 else 1 if r < 100 else 2]
+                        catch_up_tokens, catch_up_s = lag, lag * replay_per_token * float(gen.uniform(0.9, 1.1))
+                        n_drafted = gamma
+                        draft_s = catch_up_s + gamma * 0.002 * float(gen.uniform(0.9, 1.2))
+                    else:
+                        alpha = 0.3 + 0.12 * plan.evidence
+                        n_drafted = int(gen.integers(1, gamma + 1))  # a copy may find fewer tokens than γ
+                        draft_s = 0.00005
+                    while n_accepted < n_drafted and gen.random() < alpha:
+                        n_accepted += 1
+                verify_s = target_s(n_drafted + 1, gen)
+                done = Round(part.name if n_drafted else None, gamma, n_drafted, n_accepted, n_accepted + 1, draft_s, verify_s,
+                             draft_s + verify_s + 0.0001, catch_up_tokens, catch_up_s)
+                policy.observe(plan, done)
+                lag = 0 if done.drafter == "model" else lag + done.n_committed
+                rounds.append({"key": key, "plan": {"drafter": part.name if part is not None else None, "gamma": gamma,
+                                                    "evidence": plan.evidence, "probe": plan.probe, "whole_replay": plan.whole_replay,
+                                                    "draft_step_s": plan.draft_step_s, "replay_s": plan.replay_s},
+                               "round": {"drafter": done.drafter, "gamma": done.gamma, "n_drafted": done.n_drafted,
+                                         "n_accepted": done.n_accepted, "n_committed": done.n_committed, "draft_s": done.draft_s,
+                                         "target_s": done.target_s, "round_s": done.round_s,
+                                         "catch_up_tokens": done.catch_up_tokens, "catch_up_s": done.catch_up_s},
+                               "loss": {name: p.ledger.loss_seconds for name, p in policy.parts.items()}})
+            sequences.append({"horizon": horizon, "rounds": rounds})
+        state = {name: {"loss_seconds": p.ledger.loss_seconds, "tokens": p.ledger.tokens, "taken": p.ledger.taken,
+                        "plain_steps": p.probes.plain_steps, "gap": p.probes.gap, "failed": p.probes.failed,
+                        "alpha": {str(k): [e.n_accepted, e.n_rejected] for k, e in p.estimates.items()}}
+                 for name, p in policy.parts.items()}
+        plans = [r["plan"] for seq in sequences for r in seq["rounds"]]
+        log(f"policy {kind} {knobs}: {len(plans)} rounds, γ {sorted({p['gamma'] for p in plans})}, "
+            f"probes {sum(p['probe'] for p in plans)} ({sum(p['whole_replay'] for p in plans)} whole), "
+            f"replayed rounds {sum(r['round']['catch_up_tokens'] > 0 for seq in sequences for r in seq['rounds'])}")
+        cases.append({"name": f"{kind} {knobs}", "drafter": kind, "config": knobs, "script": script, "sequences": sequences,
+                      "seeded_target": {str(k): v for k, v in seeded.items()}, "seeded_draft_step": seeded_step, "state": state,
+                      "costs": {"target": {str(k): v for k, v in policy.costs.target.items()}, "draft_step": policy.costs.draft_step,
+                                "replay_token": policy.costs.replay_token}})
+    plans = [r for case in cases for seq in case["sequences"] for r in seq["rounds"]]
+    # The trace has teeth only if the policy's every branch shows in it: check they do.
+    assert any(r["plan"]["probe"] and r["plan"]["whole_replay"] for r in plans), "no probe paid its replay whole"
+    assert any(r["plan"]["probe"] and not r["plan"]["whole_replay"] and r["round"]["catch_up_tokens"] for r in plans), "no probe replay by share"
+    assert any(not r["plan"]["probe"] and r["round"]["catch_up_tokens"] for r in plans), "no round on merit replayed"
+    assert len({r["plan"]["gamma"] for r in plans}) >= 5 and any(r["plan"]["drafter"] == "lookup" and r["plan"]["evidence"] for r in plans)
     return cases
 
 
@@ -516,7 +619,8 @@ def tokenizer_trace(name: str, tokenizer_json: Path, out: Path) -> None:
 
 
 def qwen_tokenizer_json(out: Path) -> Path:
-    from real import bundles_root
+    _, real = bundle_builders()
+    bundles_root = real.bundles_root
 
     for root in (bundles_root(), Path("/work/bundles")):
         for candidate in sorted(root.glob("qwen*/tokenizer.json")) if root.is_dir() else []:
@@ -583,7 +687,7 @@ def generation_trace(engine, prompt_ids, drafter: str, gamma: int | None, sampli
     if gamma is None:
         policy = RoundPolicy().start(engine.drafter, max_new, ADAPTIVE)
     else:
-        policy = engine.policy.start(engine.drafter, max_new, GammaConfig(fixed=engine.config.gamma, max_gamma=engine.config.max_gamma))
+        policy = engine.policy.start(engine.drafter, max_new, engine.config.gamma_for())
     with fake_stage_time(clock):
         for step in decode_steps(engine.target, engine.drafter, prompt_ids, sampling, rng, policy, clock=clock):
             steps.append({"tokens": list(step.tokens), "gamma": step.gamma, "drafted": step.n_drafted, "accepted": step.n_accepted,
@@ -653,7 +757,7 @@ def model_trace(name: str, bundle: Path, prompt: str, runs: list[tuple[str, bool
 def tiny_bundles(out: Path) -> dict[str, Path]:
     import torch
 
-    import tiny
+    tiny, _ = bundle_builders()
 
     torch.set_num_threads(1)
     root = out / "tiny"
@@ -674,6 +778,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out")
     parser.add_argument("--no-real", action="store_true", help="skip the SmolLM2/Qwen parts (says so in index.json)")
+    parser.add_argument("--pure", action="store_true", help="only the traces that need no bundle (no tests/ import, no torch)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -681,15 +786,17 @@ def main() -> int:
     dump(out / "rng.json", rng_traces())
     dump(out / "sampling.json", sampling_traces())
     dump(out / "verify.json", verify_traces())
-    dump(out / "gamma.json", gamma_traces())
+    dump(out / "policy.json", policy_traces())
     dump(out / "commit.json", commit_traces())
     dump(out / "cost_model.json", cost_model_traces())
     dump(out / "loop.json", loop_traces())
     dump(out / "drafter.json", drafter_traces())
     log(f"pure traces in {time.perf_counter() - began:.1f}s")
+    if args.pure:
+        dump(out / "index.json", {"tiny": False, "real": False})
+        return 0
 
-    import tiny
-
+    tiny, real = bundle_builders()
     bundles = tiny_bundles(out)
     log(f"tiny bundles in {time.perf_counter() - began:.1f}s")
     tokenizer_trace("tiny", bundles["llama"] / "tokenizer.json", out)
@@ -701,9 +808,7 @@ def main() -> int:
                 adaptive=[("model", True), ("auto", False)], stop_runs=[("layer-skip", True)])
     index = {"tiny": True, "real": not args.no_real}
     if not args.no_real:
-        from real import bundle
-
-        smollm2 = bundle("smollm2-fp32")
+        smollm2 = real.bundle("smollm2-fp32")
         tokenizer_trace("smollm2", smollm2 / "tokenizer.json", out)
         tokenizer_trace("qwen2", qwen_tokenizer_json(out), out)
         code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"

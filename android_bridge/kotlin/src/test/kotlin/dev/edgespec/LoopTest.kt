@@ -4,6 +4,7 @@ import dev.edgespec.core.DraftModelDrafter
 import dev.edgespec.core.Drafter
 import dev.edgespec.core.GammaConfig
 import dev.edgespec.core.PartPolicy
+import dev.edgespec.core.Plan
 import dev.edgespec.core.Hidden
 import dev.edgespec.core.KvCache
 import dev.edgespec.core.Loop
@@ -152,22 +153,24 @@ class LoopTest {
     fun `adaptive gamma drafts long when drafting is free and acceptance high, not at all when it is costly`() {
         val costs = dev.edgespec.core.CostModel().apply { for (b in 1..9) recordTarget(b, 0.01) }
         val c = PartPolicy(GammaConfig(), costs, priorAlpha = 0.95)
-        assertEquals(8, c.choose(0.0))
+        assertEquals(8, c.choose(0.0).gamma)
         val slow = PartPolicy(GammaConfig(), costs, priorAlpha = 0.1)
-        assertEquals(0, slow.choose(0.05))
+        assertEquals(0, slow.choose(0.05).gamma)
     }
 
     @Test
     fun `a probe that buys only information pays its replay whole`() {
         val costs = dev.edgespec.core.CostModel().apply { mapOf(1 to 1.0, 2 to 1.27, 3 to 1.84, 4 to 2.13).forEach { (b, s) -> recordTarget(b, s) } }
         val low = PartPolicy(GammaConfig(), costs, priorAlpha = 0.4).apply { start(128) }
-        assertTrue((0 until 40).none { low.choose(0.16, 0.08 * 40) > 0 }, "a probe replayed 40 tokens")
-        assertEquals(1, low.choose(0.16, 0.08 * 4))
-        assertTrue(low.wholeReplay)
+        assertTrue((0 until 40).none { low.choose(0.16, 0.08 * 40).gamma > 0 }, "a probe replayed 40 tokens")
+        val probe = low.choose(0.16, 0.08 * 4)
+        assertEquals(1, probe.gamma)
+        assertTrue(probe.probe && probe.wholeReplay)
         val high = PartPolicy(GammaConfig(), costs, priorAlpha = 0.95).apply { start(128) }
         high.ledger.record(2 * 0.16 + 1.84, 1)
         high.ledger.advance(1)
-        val back = (0 until 100).first { high.choose(0.16, 0.08 * it) > 0 || run { high.ledger.advance(1); false } }
-        assertTrue(back in 11..98 && !high.wholeReplay, "came back after $back")
+        var plan = Plan()
+        val back = (0 until 100).first { plan = high.choose(0.16, 0.08 * it); plan.gamma > 0 || run { high.ledger.advance(1); false } }
+        assertTrue(back in 11..98 && !plan.wholeReplay, "came back after $back")
     }
 }

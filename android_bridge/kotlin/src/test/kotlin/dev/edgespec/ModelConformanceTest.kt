@@ -55,7 +55,7 @@ class ModelConformanceTest {
         val adaptive = gen.isNull("gamma")
         val what = "$name drafter=${gen.getString("drafter")} γ=${if (adaptive) "adaptive" else gen.getInt("gamma")} T=${gen.getDouble("temperature")}"
         val sampling = sampling(gen)
-        engine.useDrafter(gen.getString("drafter"), if (adaptive) null else gen.getInt("gamma"))
+        engine.useDrafter(gen.getString("drafter"), if (adaptive) null else gen.getInt("gamma").takeIf { it > 0 })  // γ 0 names plain decoding, drafter "none"
         val maxNew = gen.getInt("max_new_tokens")
         val want = gen.getJSONArray("token_ids").ints().toList()
         // 1) Engine.generate with the seeded generator (numpy's stream, reproduced); adaptive γ runs on the engine's real clock, so only 2).

@@ -12,6 +12,9 @@ import dev.edgespec.core.MixedDrafter
 import dev.edgespec.core.Pcg64
 import dev.edgespec.core.PromptLookupDrafter
 import dev.edgespec.core.CatchUpProposal
+import dev.edgespec.core.CatchesUp
+import dev.edgespec.core.Round
+import dev.edgespec.core.Selects
 import dev.edgespec.core.Proposal
 import dev.edgespec.core.ReplayUniforms
 import dev.edgespec.core.RoundPolicy
@@ -71,10 +74,31 @@ class ScriptedDrafter(private val calls: List<JSONObject>) : Drafter() {
     }
 }
 
+/** write_traces.py's scripted part: what it reports for a round comes from the script entry keyed by tokens[0]. */
+open class ScriptedPart(override val name: String, protected val script: List<JSONObject>) : Drafter() {
+    protected fun entry(tokens: LongArray) = script[tokens[0].toInt()]
+    override fun evidence(tokens: LongArray): Int = entry(tokens).getJSONObject("evidence").optInt(name, 0)
+    override fun propose(tokens: LongArray, gamma: Int, sampling: SamplingConfig, rng: UniformSource): Proposal? =
+        error("the policy trace drafts nothing")
+}
+
+class ScriptedModel(script: List<JSONObject>) : ScriptedPart("model", script), CatchesUp {
+    override var clock: () -> Double = { 0.0 }
+    override fun replayTokens(tokens: LongArray): Int = entry(tokens).getInt("replay")
+}
+
+class ScriptedMixed(script: List<JSONObject>, private val members: List<Drafter>) : ScriptedPart("auto", script), Selects {
+    override fun parts(): List<Drafter> = members
+    override fun candidates(tokens: LongArray): List<Drafter> {
+        val named = entry(tokens).getJSONArray("candidates").let { a -> List(a.length()) { a.getString(it) } }
+        return members.filter { it.name in named }
+    }
+}
+
 private fun near(want: Double, got: Double, what: String) =
     assertTrue(abs(want - got) <= 1e-12 + 1e-9 * abs(want), "$what: want $want, got $got")
 
-/** Kotlin against Python on the commit policy, the cost model, the loop on fake models (fallback, adaptive γ) and the draft model's cache. */
+/** Kotlin against Python on the commit policy, the cost model, the round policy's plans, the loop on fake models (fallback, adaptive γ) and the draft model's cache. */
 class PolicyConformanceTest {
     @Test
     fun `commit policy cuts at budget, context, EOS, then the earliest stop string, as Python`() {
@@ -172,6 +196,86 @@ class PolicyConformanceTest {
                     assertEquals(table.keys().asSequence().toSet(), got.keys, "$what: $kind keys")
                     for (k in table.keys()) near(table.getDouble(k), got.getValue(k), "$what: cost $kind[$k]")
                 }
+            }
+        }
+    }
+
+    @Test
+    fun `the round policy makes Python's plans and learns the same from each round (adaptive gamma, probes, replay share)`() {
+        val cases = Traces.arr("policy.json").objects()
+        assertTrue(cases.size >= 4)
+        for (case in cases) {
+            val what = case.getString("name")
+            val script = case.getJSONArray("script").objects()
+            val copier = ScriptedPart("lookup", script)
+            val model = ScriptedModel(script)
+            val drafter: Drafter = when (case.getString("drafter")) {
+                "model" -> model
+                "lookup" -> copier
+                else -> ScriptedMixed(script, listOf(copier, model))
+            }
+            val knobs = case.getJSONObject("config")
+            val defaults = GammaConfig()
+            val config = GammaConfig(
+                fixed = if (knobs.has("fixed")) knobs.getInt("fixed") else null, maxGamma = knobs.optInt("max_gamma", defaults.maxGamma),
+                probeFirst = knobs.optInt("probe_first", defaults.probeFirst), probeEvery = knobs.optInt("probe_every", defaults.probeEvery),
+                maxFailedProbes = knobs.optInt("max_failed_probes", defaults.maxFailedProbes), minGain = knobs.optDouble("min_gain", defaults.minGain),
+                decay = knobs.optDouble("decay", defaults.decay), maxLoss = knobs.optDouble("max_loss", defaults.maxLoss),
+                priorWeight = knobs.optDouble("prior_weight", defaults.priorWeight),
+            )
+            assertEquals(knobs.keySet(), knobs.keySet().filter { it in setOf("fixed", "max_gamma", "probe_first", "probe_every",
+                "max_failed_probes", "min_gain", "decay", "max_loss", "prior_weight") }.toSet(), "$what: a γ knob the test does not read")
+            val policy = RoundPolicy()
+            val seeded = case.getJSONObject("seeded_target")
+            for (k in seeded.keys().asSequence().sortedBy { it.toInt() }) policy.costs.recordTarget(k.toInt(), seeded.getDouble(k))
+            if (!case.isNull("seeded_draft_step")) policy.costs.recordDraft("model", 1, case.getDouble("seeded_draft_step"))
+            for ((s, sequence) in case.getJSONArray("sequences").objects().withIndex()) {
+                policy.start(drafter, sequence.getInt("horizon"), config)
+                for ((i, entry) in sequence.getJSONArray("rounds").objects().withIndex()) {
+                    val at = "$what sequence $s round $i"
+                    val want = entry.getJSONObject("plan")
+                    val plan = policy.choose(longArrayOf(entry.getLong("key")))
+                    assertEquals(if (want.isNull("drafter")) null else want.getString("drafter"), plan.drafter?.name, "$at: drafter")
+                    assertEquals(want.getInt("gamma"), plan.gamma, "$at: γ")
+                    assertEquals(want.getInt("evidence"), plan.evidence, "$at: evidence class")
+                    assertEquals(want.getBoolean("probe"), plan.probe, "$at: probe")
+                    assertEquals(want.getBoolean("whole_replay"), plan.wholeReplay, "$at: whole replay")
+                    near(want.getDouble("draft_step_s"), plan.draftStepSeconds, "$at: draft step assumed")
+                    near(want.getDouble("replay_s"), plan.replaySeconds, "$at: replay assumed")
+                    val r = entry.getJSONObject("round")
+                    policy.observe(plan, Round(if (r.isNull("drafter")) null else r.getString("drafter"), r.getInt("gamma"), r.getInt("n_drafted"),
+                        r.getInt("n_accepted"), r.getInt("n_committed"), r.getDouble("draft_s"), r.getDouble("target_s"), r.getDouble("round_s"),
+                        r.getInt("catch_up_tokens"), r.getDouble("catch_up_s")))
+                    val loss = entry.getJSONObject("loss")
+                    for (name in loss.keys()) near(loss.getDouble(name), policy.parts.getValue(name).ledger.lossSeconds, "$at: $name's ledger loss")
+                }
+            }
+            val state = case.getJSONObject("state")
+            for (name in state.keys()) {
+                val want = state.getJSONObject(name)
+                val part = policy.parts.getValue(name)
+                near(want.getDouble("loss_seconds"), part.ledger.lossSeconds, "$what: $name loss")
+                assertEquals(want.getInt("tokens"), part.ledger.tokens, "$what: $name tokens")
+                assertEquals(want.getInt("taken"), part.ledger.taken, "$what: $name tokens taken by other parts")
+                assertEquals(listOf(want.getInt("plain_steps"), want.getInt("gap"), want.getInt("failed")),
+                    listOf(part.probes.plainSteps, part.probes.gap, part.probes.failed), "$what: $name probe schedule")
+                val alpha = want.getJSONObject("alpha")
+                assertEquals(alpha.keySet().map { it.toInt() }.toSet(), part.estimates.keys, "$what: $name evidence classes")
+                for (k in alpha.keys()) {
+                    near(alpha.getJSONArray(k).getDouble(0), part.estimates.getValue(k.toInt()).accepted, "$what: $name α[$k] accepted")
+                    near(alpha.getJSONArray(k).getDouble(1), part.estimates.getValue(k.toInt()).rejected, "$what: $name α[$k] rejected")
+                }
+            }
+            val costs = case.getJSONObject("costs")
+            for (kind in listOf("target", "draft_step", "replay_token")) {
+                val table = costs.getJSONObject(kind)
+                val got: Map<String, Double> = when (kind) {
+                    "target" -> policy.costs.target.mapKeys { it.key.toString() }
+                    "draft_step" -> policy.costs.draftStep
+                    else -> policy.costs.replayToken
+                }
+                assertEquals(table.keySet(), got.keys, "$what: $kind keys")
+                for (k in table.keys()) near(table.getDouble(k), got.getValue(k), "$what: cost $kind[$k]")
             }
         }
     }

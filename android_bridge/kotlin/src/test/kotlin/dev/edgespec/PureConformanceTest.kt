@@ -1,8 +1,5 @@
 package dev.edgespec
 
-import dev.edgespec.core.CostModel
-import dev.edgespec.core.GammaConfig
-import dev.edgespec.core.PartPolicy
 import dev.edgespec.core.Pcg64
 import dev.edgespec.core.ReplayUniforms
 import dev.edgespec.core.Sampling
@@ -70,26 +67,5 @@ class PureConformanceTest {
         val gen = Pcg64(3)
         repeat(50) { assertEquals(Sampling.sample(probs, gen), Sampling.sample(probs, replay)) }
         assertEquals(50, replay.consumed)
-    }
-
-    @Test
-    fun `adaptive gamma makes Python's choices`() {
-        for ((n, case) in Traces.arr("gamma.json").objects().withIndex()) {
-            val costs = CostModel()
-            val table = case.getJSONObject("target_costs")
-            for (k in table.keys().asSequence().sortedBy { it.toInt() }) costs.recordTarget(k.toInt(), table.getDouble(k))
-            val config = GammaConfig(probeFirst = case.getInt("probe_first"), probeEvery = case.getInt("probe_every"),
-                maxFailedProbes = case.getInt("max_failed_probes"), maxLoss = case.getDouble("max_loss"))
-            val controller = PartPolicy(config, costs, case.getDouble("prior_alpha"))
-            controller.start(case.getInt("horizon"))
-            val rounds = case.getJSONArray("rounds")
-            for (r in 0 until rounds.length()) {
-                val round = rounds.getJSONArray(r)
-                val gamma = round.getInt(0); val accepted = round.getInt(1)
-                assertEquals(gamma, controller.choose(case.getDouble("step_cost"), case.getDouble("replay")), "case $n round $r")
-                if (gamma > 0) { controller.update(gamma, accepted); controller.ledger.record(round.getDouble(2), accepted + 1) }
-                controller.ledger.advance(accepted + 1)
-            }
-        }
     }
 }

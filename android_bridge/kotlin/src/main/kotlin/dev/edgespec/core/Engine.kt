@@ -8,7 +8,19 @@ data class EngineConfig(
     val maxGamma: Int = 8,
     val checkHashes: Boolean = true,
     val session: SessionSettings = SessionSettings(),
-)
+    // The adaptive policy's other knobs (probes, ledger, α decay and prior); gamma and maxGamma above set its fixed and maxGamma.
+    val gammaConfig: GammaConfig = GammaConfig(),
+) {
+    init {
+        require(gammaConfig.fixed == null && gammaConfig.maxGamma == GammaConfig().maxGamma) {
+            "set γ with EngineConfig(gamma = ..., maxGamma = ...), not in gammaConfig"
+        }
+        gammaConfig.copy(fixed = gamma, maxGamma = maxGamma)  // throws on a γ it cannot run
+    }
+
+    /** The γ config a generation runs with (runtime/engine.py EngineConfig.gamma_for): gammaConfig with this γ, capped at maxGamma. */
+    fun gammaFor(gamma: Int?): GammaConfig = gammaConfig.copy(fixed = gamma?.let { minOf(it, maxGamma) }, maxGamma = maxGamma)
+}
 
 data class GenerateConfig(val maxNewTokens: Int = 256, val sampling: SamplingConfig = SamplingConfig(), val stop: List<String> = emptyList())
 
@@ -69,6 +81,7 @@ class Engine(val bundleDir: File, val config: EngineConfig = EngineConfig(), sta
     /** Switches drafter and γ policy (null: adaptive) without reloading sessions or buffers. */
     fun useDrafter(kind: String, gamma: Int? = null) = synchronized(lock) {
         require(kind in listOf("auto", "model", "layer-skip", "lookup", "none")) { "unknown drafter $kind" }
+        config.copy(gamma = gamma)  // throws on a γ it cannot run, before the switch
         drafter = drafters.getOrPut(kind) { makeDrafter(kind) }
         this.gamma = gamma
     }
@@ -100,7 +113,7 @@ class Engine(val bundleDir: File, val config: EngineConfig = EngineConfig(), sta
 
     /** The policy started for a sequence of up to horizonTokens with `drafter` (null: plain) and this engine's γ setting. */
     fun startPolicy(drafter: Drafter?, horizonTokens: Int = 256): RoundPolicy =
-        policy.start(drafter, horizonTokens, GammaConfig(fixed = gamma, maxGamma = config.maxGamma))
+        policy.start(drafter, horizonTokens, config.gammaFor(gamma))
 
     /** Generates from prompt ids; `onPiece` receives text as tokens are accepted; `cancelled` is polled per pass. */
     fun generate(

@@ -5,7 +5,21 @@ data class GammaConfig(
     val fixed: Int? = null, val maxGamma: Int = 8, val probeFirst: Int = 2, val probeEvery: Int = 32,
     val maxFailedProbes: Int = 2, val minGain: Double = 1.02, val decay: Double = 0.98, val maxLoss: Double = 0.01,
     val priorWeight: Double = 4.0,
-)
+) {
+    init {
+        require(fixed == null || fixed in 1..MAX_GAMMA) { "gamma must be 1..$MAX_GAMMA (or adaptive), got $fixed" }
+        require(maxGamma in 1..MAX_GAMMA) { "max_gamma must be 1..$MAX_GAMMA, got $maxGamma" }
+        require(probeFirst >= 1 && probeEvery >= 1) { "probe_first and probe_every must be >= 1, got $probeFirst and $probeEvery" }
+        require(maxFailedProbes >= 0) { "max_failed_probes must be >= 0, got $maxFailedProbes" }
+        require(minGain >= 0 && maxLoss >= 0 && priorWeight >= 0) { "min_gain, max_loss and prior_weight must be >= 0" }
+        require(decay > 0 && decay <= 1) { "decay must be in (0, 1], got $decay" }
+    }
+
+    companion object {
+        /** Start-up calibration times every verify block up to maxGamma + 1 (runtime/gamma.py MAX_GAMMA). */
+        const val MAX_GAMMA = 32
+    }
+}
 
 class CostModel(private val smoothing: Double = 0.2) {
     val target = HashMap<Int, Double>()

@@ -18,8 +18,8 @@ object Loop {
 
     /**
      * A lazy sequence of rounds; the caller stops consuming when it has enough. `policy`, started for this
-     * drafter and sequence ([RoundPolicy.start]), chooses each round's drafter and γ and learns from each
-     * round. `clock` (seconds) is read for every timing the policy learns from, the drafters' included, so
+     * drafter and sequence ([RoundPolicy.start]), plans each round (drafter and γ) and learns from each
+     * round, handed back with its plan. `clock` (seconds) is read for every timing the policy learns from, the drafters' included, so
      * a fake clock makes adaptive γ deterministic (runtime/loop.py decode_steps).
      */
     fun decodeSteps(
@@ -34,8 +34,9 @@ object Loop {
         target.prefill(tokens.copyOfRange(target.cache.kvLen, tokens.size - 1))
         while (true) {
             val began = clock()
-            val (active, chosen) = policy.choose(tokens)
-            val gamma = minOf(chosen, target.cache.maxContext - tokens.size)
+            val plan = policy.choose(tokens)
+            val active = plan.drafter
+            val gamma = minOf(plan.gamma, target.cache.maxContext - tokens.size)
             val proposal = if (gamma > 0) active!!.propose(tokens, gamma, sampling, rng) else null
             val drafted = clock()
             val block = if (proposal == null) longArrayOf(tokens.last()) else longArrayOf(tokens.last()) + proposal.tokens
@@ -48,7 +49,7 @@ object Loop {
             target.cache.rollbackToPrefix(tokens.copyOfRange(0, tokens.size - 1))
             drafter?.accepted(tokens, nAccepted)
             val done = Round.of(active, gamma, proposal, nAccepted, newTokens.size, began, drafted, verified)
-            policy.observe(done)
+            policy.observe(plan, done)
             yield(Step(newTokens.map { it.toInt() }, gamma, done.nDrafted, nAccepted, done.draftSeconds, done.targetSeconds, done.drafter))
         }
     }

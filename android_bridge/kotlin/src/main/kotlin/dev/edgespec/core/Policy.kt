@@ -17,6 +17,25 @@ data class Round(
     }
 }
 
+/**
+ * What [RoundPolicy.choose] decided for one round and what the decision assumed (runtime/policy.py Plan);
+ * [RoundPolicy.observe] learns from it and the Round, so the policy keeps nothing about the round in between.
+ */
+data class Plan(
+    val drafter: Drafter? = null, // the part that drafts; null: a plain step
+    val gamma: Int = 0,
+    val evidence: Int = 0, // the evidence class whose α the round's outcome updates
+    val probe: Boolean = false, // drafted while switched off, to refresh α: its outcome moves the probe schedule
+    val wholeReplay: Boolean = false, // a probe no later round carries: the ledger holds all of its replay
+    val draftStepSeconds: Double = 0.0,
+    val replaySeconds: Double = 0.0,
+) {
+    init {
+        require(gamma >= 0) { "a plan's gamma must be >= 0, got $gamma" }
+        require(!wholeReplay || probe) { "only a probe holds its replay whole" }
+    }
+}
+
 /** Per-token acceptance from decayed pseudo-counts: the MLE for a geometric run truncated at γ. */
 class AlphaEstimate(priorAlpha: Double, private val decay: Double) {
     var accepted = 2.0 * priorAlpha
@@ -35,20 +54,22 @@ class AlphaEstimate(priorAlpha: Double, private val decay: Double) {
     }
 }
 
-/** When a switched-off drafter drafts once more: after probeFirst plain steps, doubling up to probeEvery, until maxFailedProbes in a row fail. */
+/**
+ * When a switched-off drafter drafts once more: after probeFirst plain steps, doubling up to probeEvery, until
+ * maxFailedProbes in a row fail. Whether a round is a probe travels in its [Plan].
+ */
 class ProbeSchedule(private val config: GammaConfig) {
     var plainSteps = 0
     var gap = config.probeFirst
     var failed = 0
-    var probing = false
 
-    fun start() { plainSteps = 0; gap = config.probeFirst; failed = 0; probing = false }
-    fun speculating() { plainSteps = 0; gap = config.probeFirst; failed = 0; probing = false }
+    fun start() { plainSteps = 0; gap = config.probeFirst; failed = 0 }
+    fun speculating() { plainSteps = 0; gap = config.probeFirst; failed = 0 }
     /** Counts a plain step; true when a probe is due. */
     fun sitOut(): Boolean { plainSteps += 1; return plainSteps >= gap && failed < config.maxFailedProbes }
-    fun probe() { plainSteps = 0; gap = minOf(2 * gap, config.probeEvery); probing = true }
-    /** A probe fails only when the target rejects a drafted token (runtime/policy.py). */
-    fun outcome(nDrafted: Int, nAccepted: Int) { if (probing) { failed = if (nAccepted == nDrafted) 0 else failed + 1; probing = false } }
+    fun probe() { plainSteps = 0; gap = minOf(2 * gap, config.probeEvery) }
+    /** A probe's outcome: it fails only when the target rejects a drafted token (runtime/policy.py). */
+    fun outcome(nDrafted: Int, nAccepted: Int) { failed = if (nAccepted == nDrafted) 0 else failed + 1 }
 }
 
 /**
@@ -84,8 +105,6 @@ class PartPolicy(val config: GammaConfig, val costs: CostModel, private val prio
     val estimates = LinkedHashMap<Int, AlphaEstimate>()
     val probes = ProbeSchedule(config)
     val ledger = LossLedger(config.maxLoss, costs)
-    /** The round last chosen is a probe whose replay no later round carries. */
-    var wholeReplay = false
 
     fun estimate(evidence: Int = 0): AlphaEstimate = estimates.getOrPut(evidence) { AlphaEstimate(priorAlpha, config.decay) }
     fun alpha(evidence: Int = 0): Double = estimate(evidence).value
@@ -127,36 +146,51 @@ class PartPolicy(val config: GammaConfig, val costs: CostModel, private val prio
         return gains(draftStepCost, replaySeconds, evidence).values.max()
     }
 
-    /** Only a γ whose worst case the ledger can afford is considered (runtime/policy.py PartPolicy.choose). */
-    fun choose(draftStepCost: Double, replaySeconds: Double = 0.0, evidence: Int = 0): Int {
-        wholeReplay = false
-        config.fixed?.let { return it }
+    /**
+     * The plan for the next round (γ 0: plain; the drafter is [RoundPolicy]'s to fill in). Only a γ whose worst case
+     * the ledger can afford is considered (runtime/policy.py PartPolicy.choose).
+     */
+    fun choose(draftStepCost: Double, replaySeconds: Double = 0.0, evidence: Int = 0): Plan {
+        fun plan(gamma: Int = 0, probe: Boolean = false, whole: Boolean = false) =
+            Plan(null, gamma, evidence, probe, whole, draftStepCost, replaySeconds)
+        config.fixed?.let { return plan(it) }
         val gains = gains(draftStepCost, replaySeconds, evidence)
         val affordable = gains.keys.filter { it > 0 }
-        if (affordable.isEmpty()) return 0
+        if (affordable.isEmpty()) return plan()
         val best = gains.keys.maxBy { gains.getValue(it) }  // the first of equals: the shortest
-        if (gains.getValue(best) >= config.minGain) { probes.speculating(); return best }
+        if (gains.getValue(best) >= config.minGain) { probes.speculating(); return plan(best) }
         if (probes.sitOut()) {
             // A probe whose model, caught up, would not draft on its merit buys only information: no later round carries its replay.
             val whole = affordable.maxOf { expectedSpeedup(it, draftStepCost, 0.0, evidence) } < config.minGain
             val room = ledger.room()
             val probeable = affordable.filter { worstLoss(it, draftStepCost, replaySeconds, whole) <= room }
-            if (probeable.isNotEmpty()) { probes.probe(); wholeReplay = whole; return probeable.maxBy { gains.getValue(it) } }
+            if (probeable.isNotEmpty()) { probes.probe(); return plan(probeable.maxBy { gains.getValue(it) }, probe = true, whole = whole) }
         }
-        return 0
+        return plan()
     }
 
-    fun update(nDrafted: Int, nAccepted: Int, evidence: Int = 0) {
+    /** The outcome of a round drafted on `plan`: α for its evidence class, and the probe schedule if it was a probe. */
+    fun update(plan: Plan, nDrafted: Int, nAccepted: Int) {
         if (nDrafted == 0) return
-        probes.outcome(nDrafted, nAccepted)
-        estimate(evidence).update(nDrafted, nAccepted)
+        if (plan.probe) probes.outcome(nDrafted, nAccepted)
+        estimate(plan.evidence).update(nDrafted, nAccepted)
     }
+
+    /** A round this drafter drafted on `plan`: α and probes, then its loss in the ledger, its replay by share or whole (Plan.wholeReplay). */
+    fun observe(plan: Plan, done: Round) {
+        update(plan, done.nDrafted, done.nAccepted)
+        val replay = if (plan.wholeReplay) done.catchUpSeconds else replayShare(done.catchUpSeconds, done.nCommitted.toDouble())
+        ledger.record(done.roundSeconds - done.catchUpSeconds + replay, done.nCommitted)
+    }
+
+    /** The sequence committed nTokens; taken: by a round another part of the drafter drafted. */
+    fun committed(nTokens: Int, taken: Boolean = false) = ledger.advance(nTokens, taken)
 }
 
 /**
  * The round policy (runtime/policy.py RoundPolicy), one per engine: the cost model, and a PartPolicy per
  * (drafter, part, γ config) for the engine's life, so α carries over between sequences while probes and
- * the ledger restart. The loop asks [choose] before each round and reports [observe] once after it.
+ * the ledger restart. The loop asks [choose] for each round's [Plan] and hands it back with the Round to [observe].
  */
 class RoundPolicy(val costs: CostModel = CostModel(), private val priorAlpha: Double = 0.6) {
     private val learned = HashMap<Triple<String, String, GammaConfig>, PartPolicy>()
@@ -165,7 +199,6 @@ class RoundPolicy(val costs: CostModel = CostModel(), private val priorAlpha: Do
     var parts: Map<String, PartPolicy> = emptyMap()
         private set
     private var priced: Set<String> = emptySet()
-    private var evidence = 0  // the evidence class of the round last chosen, which observe learns α for
 
     /** A new sequence of up to horizonTokens, drafted by `drafter` (null: plain decoding). */
     fun start(drafter: Drafter?, horizonTokens: Int = 256, config: GammaConfig = GammaConfig()): RoundPolicy {
@@ -177,16 +210,15 @@ class RoundPolicy(val costs: CostModel = CostModel(), private val priorAlpha: Do
         return this
     }
 
-    /** The drafter for the round after `tokens` (a mixed drafter's part) and its γ (0: plain). */
-    fun choose(tokens: LongArray): Pair<Drafter?, Int> {
-        val top = drafter ?: return null to 0
+    /** The plan for the round after `tokens`: its drafter (a mixed drafter's part), γ (0: plain) and what the choice assumed. */
+    fun choose(tokens: LongArray): Plan {
+        val top = drafter ?: return Plan()
         // Of a mixed drafter's parts able to draft, the one whose best affordable round gains most (runtime/policy.py).
         val options = if (top is Selects) top.candidates(tokens) else listOf(top)
         val classes = options.associate { it.name to it.evidence(tokens) }
         val part = options.maxBy { p -> costsOf(p, tokens).let { (step, replay) -> parts.getValue(p.name).bestGain(step, replay, classes.getValue(p.name)) } }
-        evidence = classes.getValue(part.name)
         val (stepCost, replay) = costsOf(part, tokens)
-        return part to parts.getValue(part.name).choose(stepCost, replay, evidence)
+        return parts.getValue(part.name).choose(stepCost, replay, classes.getValue(part.name)).copy(drafter = part)
     }
 
     private fun costsOf(part: Drafter, tokens: LongArray): Pair<Double, Double> {
@@ -195,20 +227,16 @@ class RoundPolicy(val costs: CostModel = CostModel(), private val priorAlpha: Do
         return stepCost to replay
     }
 
-    /** Learns from a finished round: the verify pass's cost, and for a drafted round its drafter's α, probe, ledger, draft and replay costs. */
-    fun observe(done: Round) {
+    /** Learns from a round drafted on `plan`: the verify pass's cost, and for a drafted round its drafter's α, probe, ledger, draft and replay costs. */
+    fun observe(plan: Plan, done: Round) {
         costs.recordTarget(done.nDrafted + 1, done.targetSeconds)
         if (done.nDrafted > 0) {
-            val part = parts.getValue(done.drafter!!)
-            part.update(done.nDrafted, done.nAccepted, evidence)
-            // The ledger holds the round's share of its replay (replayShare), or all of it for a probe no later round carries.
-            val replay = if (part.wholeReplay) done.catchUpSeconds else part.replayShare(done.catchUpSeconds, done.nCommitted.toDouble())
-            part.ledger.record(done.roundSeconds - done.catchUpSeconds + replay, done.nCommitted)
+            parts.getValue(done.drafter!!).observe(plan, done)
             if (done.drafter in priced) {
                 costs.recordDraft(done.drafter, done.nDrafted, done.draftSeconds - done.catchUpSeconds)
                 costs.recordReplay(done.drafter, done.catchUpTokens, done.catchUpSeconds)
             }
         }
-        for ((name, policy) in parts) policy.ledger.advance(done.nCommitted, taken = done.drafter != null && done.drafter != name)
+        for ((name, policy) in parts) policy.committed(done.nCommitted, taken = done.drafter != null && done.drafter != name)
     }
 }
