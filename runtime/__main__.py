@@ -64,6 +64,24 @@ def _temperature(high: float):
     return parse
 
 
+def _server_field(name: str):
+    """An argparse type: an integer for ServerConfig's `name`, refused with ServerConfig's own
+    message at parse time (before any load)."""
+    integer = _integer()
+
+    def parse(text: str) -> int:
+        from runtime.server.config import ServerConfig
+
+        value = integer(text)
+        try:
+            ServerConfig(**{name: value})
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return value
+
+    return parse
+
+
 def _text(text: str) -> str:
     """An argparse type: text that was UTF-8 on the command line (Python keeps other bytes as lone
     surrogates, which no tokenizer takes)."""
@@ -321,6 +339,8 @@ def cmd_serve(args) -> int:
         host=args.host, allowed_hosts=tuple(args.allowed_host), allowed_origins=tuple(args.allowed_origin),
         header_timeout=args.header_timeout, body_timeout=args.body_timeout, idle_timeout=args.idle_timeout,
         max_connections=args.max_connections, max_connections_per_client=args.max_connections_per_client,
+        client_prefix_v4=args.client_prefix_v4, client_prefix_v6=args.client_prefix_v6,
+        auth_failures_global=args.auth_failures_global,
         shutdown_timeout=args.shutdown_timeout, access_log=not args.no_access_log,
     )
     model = Model(_engine(args), max_queue=args.max_queue, queue_timeout=args.queue_timeout or None, name=args.model_name)
@@ -482,7 +502,15 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--body-timeout", type=_number(0.0, low_open=True), default=30.0, help="seconds to send a request body (default 30)")
     serve.add_argument("--idle-timeout", type=_number(0.0, low_open=True), default=5.0, help="seconds a keep-alive connection may idle (default 5)")
     serve.add_argument("--max-connections", type=_integer(1), default=512, help="open connections in all (default 512)")
-    serve.add_argument("--max-connections-per-client", type=_integer(1), default=64, help="open connections per client address (default 64)")
+    serve.add_argument("--max-connections-per-client", type=_integer(1), default=64,
+                       help="open connections per client network: an IPv4 /24 and an IPv6 /64 unless --client-prefix-v4/-v6 say "
+                       "otherwise, all of loopback as one (default 64)")
+    serve.add_argument("--client-prefix-v4", type=_server_field("client_prefix_v4"), default=24, metavar="BITS",
+                       help="an IPv4 client counts by this many leading bits for the connection cap and the wrong-key throttle (1..32, default 24)")
+    serve.add_argument("--client-prefix-v6", type=_server_field("client_prefix_v6"), default=64, metavar="BITS",
+                       help="an IPv6 client counts by this many leading bits for the connection cap and the wrong-key throttle (1..128, default 64)")
+    serve.add_argument("--auth-failures-global", type=_server_field("auth_failures_global"), default=100, metavar="N",
+                       help="wrong API keys per minute from all networks together; past it only networks that sent a right key are answered (default 100)")
     serve.add_argument("--shutdown-timeout", type=_number(0.0, low_open=True), default=10.0,
                        help="seconds running generations may finish after SIGTERM before they are cancelled (default 10)")
     serve.add_argument("--no-access-log", action="store_true", help="no access-log line per request on stderr")

@@ -189,3 +189,56 @@ def test_connection_cap_counts_loopback_addresses_as_one_client():
         finally:
             for s in socks:
                 s.close()
+
+
+# -- the serve flags --------------------------------------------------------------------------------
+
+def _serve_config(monkeypatch, *flags) -> ServerConfig:
+    """The ServerConfig `serve` hands the server for these flags; nothing is loaded or bound."""
+    import runtime.__main__ as cli
+    import runtime.api
+    import runtime.server
+
+    seen = {}
+    monkeypatch.setattr(cli, "_engine", lambda args: object())
+    monkeypatch.setattr(runtime.api, "Model", lambda engine, **kw: SimpleNamespace(close=lambda: None))
+    monkeypatch.setattr(runtime.server, "serve", lambda model, *a, config, **kw: seen.setdefault("config", config))
+    monkeypatch.delenv("EDGE_SPEC_API_KEY", raising=False)
+    assert cli.main(["serve", "bundle", *flags]) == 0
+    return seen["config"]
+
+
+def test_serve_flags_reach_the_server_config(monkeypatch):
+    config = _serve_config(monkeypatch, "--client-prefix-v4", "16", "--client-prefix-v6", "48",
+                           "--auth-failures-global", "7", "--max-connections-per-client", "3")
+    assert (config.client_prefix_v4, config.client_prefix_v6, config.auth_failures_global,
+            config.max_connections_per_client) == (16, 48, 7, 3)
+    assert config.client_network("10.1.2.3") == "10.1.0.0/16"
+    assert config.client_network("2001:db8:1:2:3::4") == "2001:db8:1::/48"
+    defaults = _serve_config(monkeypatch)
+    assert (defaults.client_prefix_v4, defaults.client_prefix_v6, defaults.auth_failures_global,
+            defaults.max_connections_per_client) == (24, 64, 100, 64) == (
+        ServerConfig.client_prefix_v4, ServerConfig.client_prefix_v6, ServerConfig.auth_failures_global,
+        ServerConfig.max_connections_per_client)
+
+
+@pytest.mark.parametrize("flag, value, fragment", [
+    ("--client-prefix-v4", "0", "client_prefix_v4 must be a prefix length from 1 to 32"),
+    ("--client-prefix-v4", "33", "client_prefix_v4 must be a prefix length from 1 to 32"),
+    ("--client-prefix-v6", "129", "client_prefix_v6 must be a prefix length from 1 to 128"),
+    ("--client-prefix-v6", "x", "'x' is not an integer"),
+    ("--auth-failures-global", "0", "auth_failures_global must be an integer >= 1"),
+    ("--auth-failures-global", "1.5", "'1.5' is not an integer"),
+])
+def test_bad_serve_network_flags_exit_2_with_one_line_before_any_load(monkeypatch, capsys, flag, value, fragment):
+    import runtime.__main__ as cli
+
+    def load(args):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(cli, "_engine", load)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve", "bundle", flag, value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: argument {flag}: ") and fragment in err, err
