@@ -53,7 +53,7 @@ def weight_bytes(bundle: Path) -> dict:
     manifest = load_manifest(bundle, check_hashes=False)
     files = {manifest.stages[s].file for s in manifest.target.stages}
     nodes = [a for f in files for a in matmul_nodes(bundle / f).values()]
-    weights = sum(a["K"] * a["N"] for a in nodes)
+    weights = sum(a["K"] * a["N"] for a in nodes if not a.get("dense"))  # a minimum matrix adds bytes, not weights
     read = sum(matmulnbits_bytes(a) for a in nodes)
     return {"matmul_weights": weights, "matmul_bytes_per_pass": read, "bits_per_weight": 8 * read / weights if weights else None}
 
@@ -94,7 +94,7 @@ def measure(model: str, bundles: list[str], text: Path = DEFAULT_TEXT, ctx: int 
             engine.target.cache.reset()
             parts.append(compare_logits(reference, engine.target.forward(window)[first:-1], window[first + 1 :]))
         info = engine.bundle.manifest.target
-        rows[bundle] = {"quant": info.quant, "block_size": info.block_size, "zero_points": info.zero_points,
+        rows[bundle] = {"quant": info.quant, "block_size": info.block_size, "zero_points": info.zero_points, "gguf_blocks": info.gguf_blocks,
                         **weight_bytes(Path(bundle)), **summarize(parts)}
         log(f"{bundle}: {rows[bundle]}")
         del engine

@@ -33,18 +33,30 @@ def matmul_label(node_name: str, n: int) -> str:
 
 
 def matmulnbits_bytes(attrs: dict) -> int:
-    """Bytes one MatMulNBits call reads: the packed weights, and a float32 scale and block sum per block."""
+    """Bytes one MatMulNBits call reads: the packed weights, and a float32 scale and block sum per
+    block; for a float32 MatMul by a constant (a GGUF block minimum matrix), the matrix."""
+    if attrs.get("dense"):
+        return attrs["K"] * attrs["N"] * 4
     blocks = -(-attrs["K"] // attrs["block_size"])
     return attrs["N"] * blocks * (attrs["block_size"] * attrs["bits"] // 8 + 8)
 
 
 def matmul_nodes(path: Path) -> dict[str, dict]:
-    """Node name -> its MatMulNBits attributes (K, N, bits, block_size), in one stage graph (names
-    repeat across a bundle's stage graphs)."""
+    """Node name -> its MatMulNBits attributes (K, N, bits, block_size), and for a float32 MatMul
+    by a constant matrix {K, N, dense: True}, in one stage graph (names repeat across a bundle's
+    stage graphs)."""
     import onnx
 
-    return {node.name: {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-            for node in onnx.load(str(path), load_external_data=False).graph.node if node.op_type == "MatMulNBits"}
+    graph = onnx.load(str(path), load_external_data=False).graph
+    constants = {t.name: list(t.dims) for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT and len(t.dims) == 2}
+    nodes = {}
+    for node in graph.node:
+        if node.op_type == "MatMulNBits":
+            nodes[node.name] = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        elif node.op_type == "MatMul" and node.input[1] in constants:
+            k, n = constants[node.input[1]]
+            nodes[node.name] = {"K": k, "N": n, "dense": True}
+    return nodes
 
 
 def _merge(into: dict, row: dict) -> None:
@@ -77,10 +89,11 @@ def account(events: list[dict], labels: list[str], matmuls: dict[str, dict], att
             event = nodes[i]
             op = event["args"].get("op_name", "?")
             key, nbytes = op, 0
-            attrs = matmuls.get(event["name"][: -len("_kernel_time")]) if op == "MatMulNBits" else None
+            attrs = matmuls.get(event["name"][: -len("_kernel_time")]) if op in ("MatMulNBits", "MatMul") else None
             if attrs:
                 nbytes = matmulnbits_bytes(attrs)
-                key = f"MatMulNBits {matmul_label(event['name'], attrs['N'])} {attrs['K']}x{attrs['N']} int{attrs['bits']}/{attrs['block_size']}"
+                form = "float32 minimum" if attrs.get("dense") else f"int{attrs['bits']}/{attrs['block_size']}"
+                key = f"{op} {matmul_label(event['name'], attrs['N'])} {attrs['K']}x{attrs['N']} {form}"
             elif op == "GroupQueryAttention":
                 nbytes = attended_bytes
             group = groups[key]

@@ -53,7 +53,7 @@ def run(model: str, schemes: list[str], chunks: int = 2, ctx: int = 512, text: P
     import torch
 
     from benchmarks.fidelity import DEFAULT_TEXT, compare_logits, summarize
-    from benchmarks.gguf_types import kernel_bits
+    from export.gguf_blocks import matmul_kernel_bits
     from export.sources import load_checkpoint
 
     checkpoint = load_checkpoint(model)
@@ -88,7 +88,7 @@ def run(model: str, schemes: list[str], chunks: int = 2, ctx: int = 512, text: P
             gc.collect()
             parts = [compare_logits(r, g, w[first + 1 :]) for r, g, w in zip(reference, got, windows)]
             row = {"role": role, "scheme": scheme, "params": params, "share": params / total,
-                   "mib_per_pass": params * kernel_bits(bits, block) / 8 / 2**20, **summarize(parts)}
+                   "mib_per_pass": params * matmul_kernel_bits(bits, block) / 8 / 2**20, **summarize(parts)}
             rows[f"{role} {scheme}"] = row
             log(f"{role} {scheme}: KL {row['kl_mean']:.5f}, same top-1 {row['same_top1']:.4f}, {row['mib_per_pass']:.0f} MiB per pass")
     return {"model": model, "chunks": chunks, "ctx": ctx, "rows": rows}

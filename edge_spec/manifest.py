@@ -110,6 +110,9 @@ class ModelInfo:
     trimmed_head: TrimmedHead | None = None  # None: the head scores every one of arch.vocab_size rows
     block_size: int = DEFAULT_QUANT_BLOCK  # QUANT_BLOCKS: weights per scale at int4/int8; unused at fp16/fp32
     zero_points: bool = False  # int4/int8 MatMuls carry a uint8 zero point per block (asymmetric)
+    # Weights kept as a GGUF's own blocks (export --gguf-blocks), parameters per GGUF type, and
+    # "requantized" for those that were not; None: every weight quantized by the exporter.
+    gguf_blocks: dict[str, int] | None = None
 
     @property
     def logit_rows(self) -> int:
@@ -289,6 +292,9 @@ def validate(manifest: Manifest, bundle_dir: Path, check_hashes: bool = True) ->
             raise BundleError(f"model {role!r}: block_size {json.dumps(model.block_size)[:40]} is not one of {list(QUANT_BLOCKS)}")
         if not isinstance(model.zero_points, bool):
             raise BundleError(f"model {role!r}: zero_points {json.dumps(model.zero_points)[:40]} is not true or false")
+        if model.gguf_blocks is not None and (not isinstance(model.gguf_blocks, dict) or not model.gguf_blocks or any(
+                not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int) or v < 0 for k, v in model.gguf_blocks.items())):
+            raise BundleError(f"model {role!r}: gguf_blocks {json.dumps(model.gguf_blocks)[:60]} is not a table of GGUF types to parameter counts")
         if model.arch.kv_dtype not in KV_DTYPES:
             raise BundleError(f"model {role!r}: unknown KV dtype {model.arch.kv_dtype!r}")
         windows = model.arch.layer_windows

@@ -52,6 +52,22 @@ def main(argv: list[str] | None = None) -> int:
         help="int4/int8 MatMuls asymmetric: a uint8 zero point per block and scales fitted by least squares, which costs "
         "the CPU kernel no bytes per pass and recovers precision at larger blocks (see README, Precision)",
     )
+    keep = parser.add_mutually_exclusive_group()
+    keep.add_argument(
+        "--gguf-blocks", action="store_true", default=None,
+        help="from a .gguf: keep the target's quantized blocks as they are where ONNX Runtime's int4/int8 kernels hold them "
+        "exactly (Q4_K, Q6_K, Q8_0, Q4_0/1, Q5_0/1, Q5_K), so the bundle runs the weights llama.cpp runs; the rest, and "
+        "the draft model, are quantized as usual. The default for an int4 export of a .gguf on the CPU profile (see README, Precision)",
+    )
+    keep.add_argument(
+        "--requantize", dest="gguf_blocks", action="store_false",
+        help="re-quantize every weight of a .gguf (dequantized, then int4/int8 by ONNX Runtime's quantizer) instead of keeping its blocks",
+    )
+    parser.add_argument(
+        "--gguf-to-int8", default="", metavar="TYPES",
+        help="with --gguf-blocks: these GGUF types (comma-separated, e.g. Q6_K) rounded to int8 blocks of 64 instead of kept: "
+        "fewer bytes per pass (9 bits per weight read instead of 12 for Q6_K) for a small, measured loss of fidelity",
+    )
     parser.add_argument("--max-context", type=int, default=2048, help="KV buffer length in tokens (default 2048)")
     parser.add_argument(
         "--draft",
@@ -116,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         sources = tuple(x.strip() for x in args.draft_vocab_from.split(",") if x.strip())
         config = ExportConfig(args.model, out, args.quant, args.max_context, drafts, args.force, formats=formats, attention=args.attention, device=args.device,
                               draft_vocab=args.draft_vocab, draft_vocab_from=sources, block_size=args.block_size,
-                              draft_block_size=args.draft_block_size, zero_points=args.zero_points)
+                              draft_block_size=args.draft_block_size, zero_points=args.zero_points, gguf_blocks=args.gguf_blocks,
+                              gguf_to_int8=tuple(t.strip() for t in args.gguf_to_int8.split(",") if t.strip()))
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -147,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         roles = {role: {"layers": m.arch.n_layers, "stages": list(m.stages), "source": m.source, "logit_rows": m.logit_rows} for role, m in manifest.models.items()}
         summary = {
-            "bundle": str(out), "device": config.device, "quant": config.quant, "block_size": config.block_size, "draft_block_size": config.draft_block, "zero_points": config.zero_points, "attention": config.attention,
+            "bundle": str(out), "device": config.device, "quant": config.quant, "block_size": config.block_size, "draft_block_size": config.draft_block, "zero_points": config.zero_points, "gguf_blocks": manifest.target.gguf_blocks, "attention": config.attention,
             "max_context": config.max_context, "roles": roles, "bytes": sizes, "seconds": seconds,
             "peak_rss_bytes": peak,
         }
@@ -156,12 +173,15 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(summary))
         return 0
     roles = ", ".join(f"{role} ({m.arch.n_layers} layers{f', head of {m.logit_rows} tokens' if m.trimmed_head else ''})" for role, m in manifest.models.items())
-    print(f"{out}: {roles}; --device {config.device}; {config.quant}{_blocks(config) if config.quant in ('int4', 'int8') else ''}; {sum(sizes.values()) / 2**20:.0f} MiB; max context {config.max_context}; {seconds:.0f} s; peak memory {peak / 2**30:.1f} GiB")
+    print(f"{out}: {roles}; --device {config.device}; {config.quant}{_blocks(config, manifest) if config.quant in ('int4', 'int8') else ''}; {sum(sizes.values()) / 2**20:.0f} MiB; max context {config.max_context}; {seconds:.0f} s; peak memory {peak / 2**30:.1f} GiB")
     return 0
 
 
-def _blocks(config) -> str:
+def _blocks(config, manifest) -> str:
     draft = f"; draft {config.draft_block}" if config.draft_block != config.block_size and any(not d.startswith("layer-skip:") for d in config.drafts) else ""
+    kept = manifest.target.gguf_blocks
+    if kept:
+        return f" (the GGUF's own blocks: {', '.join(f'{n} {c / 1e6:.0f} M' for n, c in kept.items())}{draft})"
     return f" ({'asymmetric ' if config.zero_points else ''}blocks of {config.block_size}{draft})"
 
 

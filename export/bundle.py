@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import re
 import shutil
 import sys
 import tempfile
@@ -51,6 +52,10 @@ class ExportConfig:
     block_size: int = mf.DEFAULT_QUANT_BLOCK  # weights per int4/int8 scale (mf.QUANT_BLOCKS)
     draft_block_size: int | None = None  # the draft model's own block; None: block_size
     zero_points: bool = False  # int4/int8 MatMuls asymmetric, scales and uint8 zero points fitted (export.quantize)
+    # The target's weights as its GGUF's own blocks where exact (export.gguf_blocks); None: so
+    # whenever the target is read from a GGUF and the recipe allows it (keeps_gguf_blocks).
+    gguf_blocks: bool | None = None
+    gguf_to_int8: tuple[str, ...] = ()  # GGUF types rounded to int8 blocks of 64 instead of kept (gguf_blocks.to_int8)
 
     def __post_init__(self):
         if self.trace_layers is not None and (isinstance(self.trace_layers, bool) or not isinstance(self.trace_layers, int) or self.trace_layers <= 0):
@@ -80,6 +85,18 @@ class ExportConfig:
             raise ExportError(f"--zero-points sets the ONNX graphs' int4/int8 MatMul blocks; --quant {self.quant} --format {','.join(self.formats)} has none")
         if self.device not in PROFILES:
             raise ExportError(f"unknown --device {self.device!r}; choose one of {', '.join(PROFILES)}")
+        if self.gguf_blocks and not self.gguf_blocks_possible:
+            raise ExportError(f"--gguf-blocks keeps a GGUF's blocks in int4/int8 ONNX graphs with float32 scales (--device cpu), without --zero-points; "
+                              f"not --quant {self.quant} --device {self.device}{' --zero-points' if self.zero_points else ''}")
+        if self.gguf_to_int8:
+            from export.gguf_blocks import FORMS
+
+            if self.gguf_blocks is False or (self.gguf_blocks is None and not self.gguf_blocks_possible):
+                raise ExportError("--gguf-to-int8 rounds some of the GGUF's kept blocks to int8, and this export keeps none (--requantize, "
+                                  "or a recipe that re-quantizes: --quant int8/fp16/fp32, --zero-points, --block-size, a float16 device)")
+            unknown = [t for t in self.gguf_to_int8 if t not in FORMS]
+            if unknown:
+                raise ExportError(f"--gguf-to-int8 {','.join(unknown)}: not a GGUF type with a block form; choose from {', '.join(sorted(FORMS))}")
         if self.attention is None:
             object.__setattr__(self, "attention", PROFILES[self.device].attentions[0])
         if PROFILES[self.device].zero_points and self.quant in ("int4", "int8"):
@@ -90,6 +107,20 @@ class ExportConfig:
             raise ExportError(refusal)
         if "coreml" in self.formats and self.device not in ("cpu", "coreml"):
             raise ExportError(f"--device {self.device} --format coreml: Core ML packages run on Apple devices; export them with --device coreml or cpu")
+
+    @property
+    def gguf_blocks_possible(self) -> bool:
+        """Whether the GGUF's blocks can be kept: int4 ONNX graphs with float32 scales and
+        activations (the blocks keep float32 scales), none of the re-quantizing options."""
+        return (self.quant in ("int4", "int8") and self.formats == ("onnx",) and PROFILES[self.device].activations == "float32"
+                and not self.zero_points and self.block_size == mf.DEFAULT_QUANT_BLOCK)
+
+    def keeps_gguf_blocks(self, from_gguf: bool) -> bool:
+        """Whether this export keeps the target's GGUF blocks, its source read from a GGUF or not;
+        by default for int4 (int8 asks for more bits than a 4-bit file's blocks)."""
+        if self.gguf_blocks is not None:
+            return self.gguf_blocks
+        return from_gguf and self.quant == "int4" and self.gguf_blocks_possible
 
     @property
     def profile(self) -> DeviceProfile:
@@ -223,11 +254,13 @@ def _trace_parts(model, layers: range, embed: bool, head: bool, per_part: int | 
 
 def _trace_stage(
     checkpoint: Checkpoint, key: str, layers: range, embed: bool, head: bool, config: ExportConfig, tmp: Path, scratch: Path, vocab_rows: int,
-    progress: Progress, packages: dict[str, mf.CoreMLPackageInfo], head_tokens=None,
+    progress: Progress, packages: dict[str, mf.CoreMLPackageInfo], head_tokens=None, origins: dict[str, int] | None = None,
 ) -> tuple[mf.StageInfo, list[Path] | None]:
     """Trace one stage to fp32 graphs in `scratch`, part by part (_trace_parts), each part's
     weights read from the checkpoint only while it is traced; returns its manifest entry and the
-    traced parts, which _quantize_stage stitches and writes as the bundle's file."""
+    traced parts, which _quantize_stage stitches and writes as the bundle's file. `origins` gets
+    each part's first layer (its graph names count layers from there)."""
+    origins = {} if origins is None else origins
     from export.static_cache import StageModule
 
     model = checkpoint.model
@@ -251,6 +284,7 @@ def _trace_stage(
     file = f"{key}.onnx"
     parts = _trace_parts(model, layers, embed, head, config.trace_layers)
     traced = []
+    origins.update({f"part{index}": part.start for index, (part, _, _) in enumerate(parts)})
     for index, (part, part_embed, part_head) in enumerate(parts):
         part_span = f"layers {part.start}..{part.stop - 1}" if part else "no layers"
         progress(f"{key}: tracing {part_span}{' + embedding' if part_embed else ''}{' + head' if part_head else ''} (part {index + 1} of {len(parts)})")
@@ -278,20 +312,60 @@ def _trace_stage(
     return info, traced
 
 
-def _quantize_stage(key: str, info: mf.StageInfo, traced: list[Path] | None, config: ExportConfig, tmp: Path, progress: Progress) -> mf.StageInfo:
-    """Stitch the traced parts, merge the projections and quantize into the bundle, weight by weight."""
+_LAYER_WEIGHT = re.compile(r"stage\.layers\.(\d+)\.(.+)\.weight_t")
+
+
+def _checkpoint_name(name: str, origins: dict[str, int]) -> str | None:
+    """The checkpoint parameter a traced initializer was read from ("part3/stage.layers.1.mlp.
+    down_proj.weight_t" -> "model.layers.7.mlp.down_proj.weight" when part 3 starts at layer 6)."""
+    part, _, local = name.rpartition("/")
+    if local == "stage.embed_tokens.weight":
+        return "model.embed_tokens.weight"
+    if local == "stage.lm_head_parts.0":  # the whole head unless a provider's width limit cut it (then no match)
+        return "lm_head.weight"
+    match = _LAYER_WEIGHT.fullmatch(local)
+    if match is None or (part or "part0") not in origins:
+        return None
+    return f"model.layers.{origins[part or 'part0'] + int(match[1])}.{match[2]}.weight"
+
+
+def _gguf_resolver(checkpoint_weights, stage_weights, origins: dict[str, int], head_rows: np.ndarray):
+    """Initializer -> the GGUF blocks of each of its sources (a merged weight has several), or
+    None; write_stage keeps them only where they dequantize to the traced weight exactly."""
+
+    def resolve(initializer):
+        sources = stage_weights.merged.get(initializer.name, ([initializer], 1))[0]
+        parts = []
+        for source in sources:
+            name = _checkpoint_name(source.name, origins)
+            blocks = checkpoint_weights.blocks(name) if name else None
+            if blocks is None:
+                return None
+            parts.append(blocks.rows(head_rows) if name == "lm_head.weight" and len(head_rows) != blocks.shape[0] else blocks)
+        return parts
+
+    return resolve
+
+
+def _quantize_stage(key: str, info: mf.StageInfo, traced: list[Path] | None, config: ExportConfig, tmp: Path, progress: Progress,
+                    gguf=None) -> tuple[mf.StageInfo, dict[str, int]]:
+    """Stitch the traced parts, merge the projections and quantize into the bundle, weight by
+    weight. gguf: (checkpoint weights, part origins, head rows) to keep the GGUF's own blocks.
+    Returns the stage's entry and its weights per GGUF type (export.quantize.write_stage)."""
     if traced is None:
-        return info
+        return info, {}
     progress(f"{key}: {'stitching ' + str(len(traced)) + ' parts, ' if len(traced) > 1 else ''}merging parallel projections")
     graph, weights = finish_stage(traced, list(info.inputs), list(info.outputs))
     float16 = config.profile.activations == "float16"
-    progress(f"{key}: quantizing to {config.quant}{', float16 activations' if float16 else ''}")
+    progress(f"{key}: {'keeping the GGUF blocks, else ' if gguf else ''}quantizing to {config.quant}{', float16 activations' if float16 else ''}")
     block = config.draft_block if key == "draft" else config.block_size
-    quantize_stage(graph, weights, tmp / info.file, config.quant, config.profile.activations, config.profile.quantized_embedding, block, config.zero_points)
+    resolver = _gguf_resolver(gguf[0], weights, gguf[1], gguf[2]) if gguf else None
+    kept_as = quantize_stage(graph, weights, tmp / info.file, config.quant, config.profile.activations, config.profile.quantized_embedding, block, config.zero_points, resolver,
+                             config.gguf_to_int8 if gguf else ())
     del graph, weights
     shutil.rmtree(traced[0].parent.parent)  # the parts' files, as large as the fp32 model
     data = info.file + ".data"
-    return dataclasses.replace(info, data_files=(data,) if (tmp / data).exists() else ())
+    return dataclasses.replace(info, data_files=(data,) if (tmp / data).exists() else ()), kept_as
 
 
 def _vocab_difference(target_tok, draft_tok) -> str | None:
@@ -499,12 +573,27 @@ def _export_into(config: ExportConfig, tmp: Path, layer_skips, model_drafts, pro
         plan = [("target", range(n_layers), True, True)]
         models["target"] = mf.ModelInfo(target.source.description, target_arch, config.quant, ("target",), block_size=config.block_size, zero_points=config.zero_points)
     with tempfile.TemporaryDirectory(dir=tmp) as scratch:
-        traced = {key: _trace_stage(target, key, layers, embed, head, config, tmp, Path(scratch), vocab_rows, progress, packages) for key, layers, embed, head in plan}
+        origins = {key: {} for key, *_ in plan}
+        traced = {key: _trace_stage(target, key, layers, embed, head, config, tmp, Path(scratch), vocab_rows, progress, packages, origins=origins[key])
+                  for key, layers, embed, head in plan}
+        # The blocks are read from the GGUF's memory map when written; the torch weights can go.
+        from_gguf = target.weights is not None and bool(target.weights.blocks_read)
+        if config.gguf_blocks and not from_gguf:
+            raise ExportError(f"--gguf-blocks keeps a GGUF's own blocks: {config.model!r} is not read from a .gguf file")
+        target_blocks = target.weights if config.keeps_gguf_blocks(from_gguf) else None
         del target  # the torch weights go before quantizing (the caller's cache may still hold them)
         gc.collect()
         progress(f"target written as fp32 graphs; peak memory so far {peak_rss_bytes() / 2**30:.1f} GiB")
+        kept: dict[str, int] = {}
         for key, (info, path) in traced.items():
-            stages[key] = _quantize_stage(key, info, path, config, tmp, progress)
+            gguf = (target_blocks, origins[key], np.arange(vocab_rows)) if target_blocks is not None else None
+            stages[key], stage_kept = _quantize_stage(key, info, path, config, tmp, progress, gguf)
+            for name, count in stage_kept.items():
+                kept[name] = kept.get(name, 0) + count
+        if target_blocks is not None:
+            progress("target weights: " + ", ".join(f"{count / 1e6:.1f} M {name}" for name, count in sorted(kept.items())))
+            for role in [r for r in ("target", "layer_skip") if r in models]:
+                models[role] = dataclasses.replace(models[role], gguf_blocks=dict(sorted(kept.items())))
         progress.advance(costs["target"])
         if model_drafts:
             progress(f"loading draft {model_drafts[0]}")
@@ -517,7 +606,7 @@ def _export_into(config: ExportConfig, tmp: Path, layer_skips, model_drafts, pro
             source = draft.source.description
             del draft
             gc.collect()
-            stages["draft"] = _quantize_stage("draft", info, path, config, tmp, progress)
+            stages["draft"], _ = _quantize_stage("draft", info, path, config, tmp, progress)
             progress.advance(costs["draft"])
             trimmed = None
             if head_tokens is not None:

@@ -36,6 +36,7 @@ from onnx import helper, numpy_helper
 
 from edge_spec import names
 from edge_spec.manifest import DEFAULT_QUANT_BLOCK
+from export.gguf_blocks import to_int8
 
 ACCURACY_LEVEL = 4
 
@@ -151,15 +152,141 @@ def asymmetric_matmul(node: onnx.NodeProto, weight: np.ndarray, bits: int, block
     return quantized, tensors
 
 
+def _blocks_tensors(base: str, blocks, made: set[str], gather: bool = False) -> tuple[list[str], list[onnx.TensorProto]]:
+    """The q, scale and (unless the kernel's default) zero-point initializers of `blocks`: q as
+    MatMulNBits reads it, [N, K/block, block bytes], or (gather) as GatherBlockQuantized does,
+    [N, K bytes], the same bytes."""
+    n, k = blocks.shape
+    nb = k // blocks.block
+    q = blocks.q.reshape(n, nb, blocks.block)
+    data = _pack4(q) if blocks.bits == 4 else q
+    data = data.reshape(n, -1) if gather else data
+    tensors = [numpy_helper.from_array(data, f"{base}_Q{blocks.bits}"), numpy_helper.from_array(blocks.scale, f"{base}_scales")]
+    if blocks.zero != 2 ** (blocks.bits - 1):
+        zero = np.full((n, nb), blocks.zero, np.uint8)
+        tensors.append(numpy_helper.from_array(_pack4(zero) if blocks.bits == 4 else zero, f"{base}_zero_points"))
+    made.update(t.name for t in tensors)
+    return [t.name for t in tensors], tensors
+
+
+def _constant(name: str, value: np.ndarray, made: set[str]) -> list[onnx.TensorProto]:
+    """A small shared constant, written once however many nodes read it."""
+    if name in made:
+        return []
+    made.add(name)
+    return [numpy_helper.from_array(value, name)]
+
+
+def blocks_matmul(node: onnx.NodeProto, parts: list, made: set[str]) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """MatMul(A, W [K, N]) from the GGUF's own blocks (export.gguf_blocks): one MatMulNBits per
+    run of sources of one form (a merged projection whose v is Q6_K and q, k Q4_K is two),
+    concatenated along N; a form with a minimum per 32 adds A's sums over each 32 times the
+    [K/32, N] minimum matrix (float32, as the GGUF's d * m is exact there). The sums are taken
+    as means (ReduceMean, which every provider's kernel table has) against the matrix times 32,
+    a power of two, so still exact."""
+    from export.gguf_blocks import MINIMUM_BLOCK, concat
+
+    runs: list[list] = []
+    for part in parts:
+        if runs and runs[-1][0].same_form(part):
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    x, out = node.input[0], node.output[0]
+    nodes, tensors = [], []
+    outputs = []
+    for index, run in enumerate(runs):
+        blocks = concat(run)
+        n, k = blocks.shape
+        base = f"{node.input[1]}.gguf{index}" if len(runs) > 1 else node.input[1]
+        y = out if len(runs) == 1 else f"{out}.gguf{index}"
+        main = y if blocks.minimum is None else f"{y}.blocks"
+        names_, made_tensors = _blocks_tensors(base, blocks, made)
+        tensors += made_tensors
+        nodes.append(helper.make_node("MatMulNBits", [x] + names_, [main], name=f"{base}_gguf", domain="com.microsoft",
+                                      K=k, N=n, bits=blocks.bits, block_size=blocks.block, accuracy_level=ACCURACY_LEVEL))
+        if blocks.minimum is not None:
+            shape, axes = f"gguf_sums_shape_{k}", "gguf_sums_axes"
+            tensors += _constant(shape, np.array([0, 0, k // MINIMUM_BLOCK, MINIMUM_BLOCK], np.int64), made)
+            tensors += _constant(axes, np.array([-1], np.int64), made)
+            minimum = numpy_helper.from_array(np.ascontiguousarray(blocks.minimum.T * np.float32(MINIMUM_BLOCK)), f"{base}_minimum")
+            tensors.append(minimum)
+            nodes += [
+                helper.make_node("Reshape", [x, shape], [f"{y}.grouped"], name=f"{base}_group"),
+                helper.make_node("ReduceMean", [f"{y}.grouped", axes], [f"{y}.sums"], name=f"{base}_sums", keepdims=0),
+                helper.make_node("MatMul", [f"{y}.sums", minimum.name], [f"{y}.minimum"], name=f"{base}_minimum"),
+                helper.make_node("Add", [main, f"{y}.minimum"], [y], name=f"{base}_add_minimum"),
+            ]
+        outputs.append(y)
+    if len(runs) > 1:
+        nodes.append(helper.make_node("Concat", outputs, [out], name=f"{node.name}_gguf_concat", axis=-1))
+    return nodes, tensors
+
+
+def blocks_gather(node: onnx.NodeProto, blocks, made: set[str]) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """Gather(table [V, H], ids) from the GGUF's own blocks: GatherBlockQuantized on q (uint8,
+    `bits` saying whether packed), and for a form with a minimum the ids' rows of the [V, H/32]
+    minimum matrix added per 32."""
+    from export.gguf_blocks import MINIMUM_BLOCK
+
+    v, h = blocks.shape
+    base, out = node.input[0], node.output[0]
+    main = out if blocks.minimum is None else f"{out}.blocks"
+    names_, tensors = _blocks_tensors(base, blocks, made, gather=True)
+    nodes = [helper.make_node("GatherBlockQuantized", [names_[0], node.input[1]] + names_[1:], [main], name=f"{node.name}_gguf", domain="com.microsoft",
+                              gather_axis=0, quantize_axis=1, block_size=blocks.block, bits=blocks.bits)]
+    if blocks.minimum is not None:
+        grouped, flat = f"gguf_gather_grouped_{h}", f"gguf_gather_flat_{h}"
+        tensors += _constant(grouped, np.array([0, 0, h // MINIMUM_BLOCK, MINIMUM_BLOCK], np.int64), made)
+        tensors += _constant(flat, np.array([0, 0, h], np.int64), made)
+        tensors += _constant("gguf_last_axis", np.array([-1], np.int64), made)
+        minimum = numpy_helper.from_array(blocks.minimum, f"{base}_minimum")
+        tensors.append(minimum)
+        nodes += [
+            helper.make_node("Gather", [minimum.name, node.input[1]], [f"{out}.minimum"], name=f"{base}_gather_minimum", axis=0),
+            helper.make_node("Unsqueeze", [f"{out}.minimum", "gguf_last_axis"], [f"{out}.minimum_col"], name=f"{base}_minimum_col"),
+            helper.make_node("Reshape", [main, grouped], [f"{out}.grouped"], name=f"{base}_group"),
+            helper.make_node("Add", [f"{out}.grouped", f"{out}.minimum_col"], [f"{out}.with_minimum"], name=f"{base}_add_minimum"),
+            helper.make_node("Reshape", [f"{out}.with_minimum", flat], [out], name=f"{base}_ungroup"),
+        ]
+    return nodes, tensors
+
+
+CHECK_ROWS = 16384  # rows compared at a time: the head's float32 copies stay under 200 MB each
+
+
+def same_weights(parts: list, weight: np.ndarray, gather: bool) -> bool:
+    """Whether the blocks dequantize, bit for bit, to the float32 weight the traced graph holds
+    ([K, N] for a MatMul, [V, H] for a Gather): the one proof that names, row order and decoding
+    all line up."""
+    rows = weight if gather else weight.T
+    start = 0
+    for blocks in parts:
+        n = blocks.shape[0]
+        if blocks.shape[1] != rows.shape[1] or start + n > rows.shape[0]:
+            return False
+        for r in range(0, n, CHECK_ROWS):
+            stop = min(n, r + CHECK_ROWS)
+            if not np.array_equal(blocks.dequantized(r, stop), rows[start + r : start + stop]):
+                return False
+        start += n
+    return start == rows.shape[0]
+
+
 def write_stage(model: onnx.ModelProto, weights, dst: Path, matmul_bits: int | None, gather_bits: int | None,
-                block_size: int = DEFAULT_QUANT_BLOCK, asymmetric: bool = False) -> None:
+                block_size: int = DEFAULT_QUANT_BLOCK, asymmetric: bool = False, gguf=None, gguf_to_int8: tuple[str, ...] = ()) -> dict[str, int]:
     """Write the stage graph `model` (its weights read from `weights`, an
     export.onnx_graphs.StageWeights) to dst + dst.data, one initializer at a time: each MatMul by
     a constant 2-D weight becomes MatMulNBits at `matmul_bits`, each Gather from a constant
     table GatherBlockQuantized at `gather_bits` (None: left as is), through ONNX Runtime's own
     per-node quantizer (what MatMulNBitsQuantizer runs over a whole graph in memory); with
-    `asymmetric`, the MatMuls through asymmetric_matmul instead."""
+    `asymmetric`, the MatMuls through asymmetric_matmul instead. `gguf`: initializer -> the
+    export.gguf_blocks.Blocks it was read from (one per merged source) or None; a weight whose
+    blocks dequantize to it exactly is written as those blocks (those of a type in
+    `gguf_to_int8` rounded to int8 first: gguf_blocks.to_int8), any other quantized as above.
+    Returns the weights written per GGUF type, and "requantized" for the rest."""
     graph = model.graph
+    kept_as: dict[str, int] = {}
     initializers = {t.name: t for t in graph.initializer}
     quantizers = {op: _node_quantizer(bits, block_size) for op, bits in (("MatMul", matmul_bits), ("Gather", gather_bits)) if bits}
     writer = DataWriter(dst)
@@ -171,6 +298,18 @@ def write_stage(model: onnx.ModelProto, weights, dst: Path, matmul_bits: int | N
             if weight is None or weight.data_type != onnx.TensorProto.FLOAT or (node.op_type == "MatMul" and len(weight.dims) != 2):
                 nodes.append(node)
                 continue
+            parts = gguf(weight) if gguf is not None else None
+            if parts and same_weights(parts, weights.array(weight), node.op_type == "Gather"):
+                parts = [to_int8(p) if p.type in gguf_to_int8 else p for p in parts]
+                written = {t.name for t in made}
+                built, tensors = (blocks_gather(node, parts[0], written) if node.op_type == "Gather" and len(parts) == 1 else
+                                  blocks_matmul(node, parts, written))
+                nodes.extend(built)
+                made.extend(writer.add(t) for t in tensors)
+                for p in parts:
+                    kept_as[p.type] = kept_as.get(p.type, 0) + p.q.size
+                continue
+            kept_as["requantized"] = kept_as.get("requantized", 0) + int(np.prod(weight.dims))
             if asymmetric and node.op_type == "MatMul":
                 quantized, tensors = asymmetric_matmul(node, weights.array(weight), matmul_bits, block_size)
                 nodes.append(quantized)
@@ -195,6 +334,7 @@ def write_stage(model: onnx.ModelProto, weights, dst: Path, matmul_bits: int | N
         _set_opset(model, "", max(21, _opset(model, "")))
         model.ir_version = max(model.ir_version, 10)
     onnx.save_model(model, dst)
+    return kept_as
 
 
 def _opset(model: onnx.ModelProto, domain: str) -> int:
@@ -218,13 +358,15 @@ def to_float16(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def quantize_stage(model: onnx.ModelProto, weights, dst: Path, quant: str, activations: str = "float32", quantized_embedding: bool = True,
-                   block_size: int = DEFAULT_QUANT_BLOCK, asymmetric: bool = False) -> None:
+                   block_size: int = DEFAULT_QUANT_BLOCK, asymmetric: bool = False, gguf=None, gguf_to_int8: tuple[str, ...] = ()) -> dict[str, int]:
     """Write the merged stage graph (export.onnx_graphs.finish_stage) into dst (+ dst.data) at
     `quant`. int4/int8 and fp32 stream weight by weight. fp16 weights and float16 activations
     convert a whole graph in memory: the fp32 one for fp16 weights, the already quantized (small)
     one for int4/int8 with float16 activations. quantized_embedding False: int4/int8 quantize the
     MatMuls only (a provider without GatherBlockQuantized). block_size: weights per int4/int8 scale.
-    asymmetric: MatMul weights with fitted scales and uint8 zero points (write_stage)."""
+    asymmetric: MatMul weights with fitted scales and uint8 zero points (write_stage). gguf: the
+    GGUF's own blocks where they dequantize to a weight exactly (write_stage; float32 scales, so
+    float32 activations only). Returns write_stage's count of weights per GGUF type."""
     logging.getLogger("onnxruntime.quantization").setLevel(logging.ERROR)
     if quant not in ("int4", "int8", "fp16", "fp32"):
         raise ValueError(f"unknown quantization {quant!r} (int4, int8, fp16, fp32)")
@@ -233,11 +375,12 @@ def quantize_stage(model: onnx.ModelProto, weights, dst: Path, quant: str, activ
     bits = {"int4": 4, "int8": 8}.get(quant)
     # The embedding table is 4-bit at int8 too: ONNX Runtime's Gather quantizer has only 4 bits.
     gather_bits = 4 if bits and quantized_embedding else None
+    if gguf is not None and (activations == "float16" or quant not in ("int4", "int8")):
+        raise ValueError("the GGUF's own blocks need int4 or int8 weights and float32 activations")
     if activations != "float16" and quant != "fp16":
-        write_stage(model, weights, dst, bits, gather_bits, block_size, asymmetric)
-        return
+        return write_stage(model, weights, dst, bits, gather_bits, block_size, asymmetric, gguf, gguf_to_int8)
     scratch = dst.with_name(dst.stem + ".unconverted.onnx")
-    write_stage(model, weights, scratch, bits, gather_bits, block_size, asymmetric)
+    kept_as = write_stage(model, weights, scratch, bits, gather_bits, block_size, asymmetric)
     converted = onnx.load(str(scratch), load_external_data=True)
     scratch.unlink()
     scratch.with_name(scratch.name + ".data").unlink()
@@ -255,3 +398,4 @@ def quantize_stage(model: onnx.ModelProto, weights, dst: Path, quant: str, activ
         converted.graph.value_info.extend(kept)
         converted = convert_float_to_float16(converted, keep_io_types=True, disable_shape_infer=True, op_block_list=["GroupQueryAttention"])
     save(converted, dst)
+    return kept_as

@@ -78,9 +78,16 @@ class LazyWeights:
     GGUF, dequantized and processed by transformers' own GGUF tensor processor) only when
     asked: an fp32 1.5B model is 6.6 GiB, more than an 8 GB export can hold beside its graph."""
 
-    def __init__(self, read: dict, tied: dict[str, str]):
+    def __init__(self, read: dict, tied: dict[str, str], blocks: dict | None = None):
         self.read = read  # parameter name -> () -> float32 numpy array or torch tensor
         self.tied = tied  # parameter name -> the name it is read as (a tied LM head)
+        self.blocks_read = blocks or {}  # parameter name -> () -> export.gguf_blocks.Blocks or None (a GGUF)
+
+    def blocks(self, name: str):
+        """The GGUF's own blocks of parameter `name`, rows in the model's order; None when the
+        checkpoint is not a GGUF or the tensor's type has no exact block form."""
+        read = self.blocks_read.get(self.tied.get(name, name))
+        return read() if read else None
 
     def tensor(self, name: str):
         import numpy as np
@@ -128,7 +135,39 @@ def _gguf_weights(path: Path, model) -> dict:
 
         return read
 
-    return {mapping[t.name]: reader_of(t) for t in reader.tensors if t.name in mapping}
+    def blocks_of(tensor):
+        def read():
+            from export.gguf_blocks import decode
+
+            if len(tensor.data.shape) != 2:
+                return None
+            order = _row_order(processor, tensor, mapping)
+            blocks = decode(tensor.tensor_type.name, tensor.data, int(tensor.shape[0]))
+            return None if blocks is None or order is None else blocks.rows(order)
+
+        return read
+
+    read = {mapping[t.name]: reader_of(t) for t in reader.tensors if t.name in mapping}
+    blocks = {mapping[t.name]: blocks_of(t) for t in reader.tensors if t.name in mapping}
+    return read, blocks
+
+
+def _row_order(processor, tensor, mapping):
+    """The GGUF row each of the model's rows is read from, found by running the processor over
+    the row numbers (a Llama q/k un-permutation moves whole rows); None if it does more than
+    reorder rows."""
+    import numpy as np
+
+    rows = tensor.data.shape[0]
+    index = np.arange(rows, dtype=np.float32)[:, None]
+    try:
+        moved = processor.process(weights=index, name=tensor.name, tensor_key_mapping=mapping, parsed_parameters={"tensors": {}, "config": {}}).weights
+    except (ValueError, IndexError, TypeError, RuntimeError):  # a processor that needs the real width: no row order
+        return None
+    moved = np.asarray(moved)
+    if moved.shape != (rows, 1) or not np.array_equal(np.sort(moved[:, 0]), index[:, 0]):
+        return None
+    return moved[:, 0].astype(np.int64)
 
 
 def _dequantized(tensor, dequantize, chunk_values: int = 1 << 22):
@@ -260,8 +299,9 @@ def open_checkpoint(spec: str) -> Checkpoint:
 
     with init_empty_weights(include_buffers=False):  # parameters on meta; rotary tables computed
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    blocks = None
     if source.gguf_file:
-        read = _gguf_weights(Path(source.path) / source.gguf_file, model)
+        read, blocks = _gguf_weights(Path(source.path) / source.gguf_file, model)
     else:
         read = _safetensors_weights(source.path)
         try:
@@ -275,4 +315,4 @@ def open_checkpoint(spec: str) -> Checkpoint:
     if read is None or any(tied.get(n, n) not in read for n in names):
         return load_checkpoint(spec)
     tokenizer = AutoTokenizer.from_pretrained(source.path, **source.kwargs)
-    return Checkpoint(source, model, tokenizer, LazyWeights(read, tied))
+    return Checkpoint(source, model, tokenizer, LazyWeights(read, tied, blocks))

@@ -188,20 +188,40 @@ def test_fidelity_measures_kl_and_top1():
 
 @pytest.mark.real_weights
 def test_gguf_types_says_which_official_types_map_exactly():
-    """The official Qwen 0.5B and SmolLM2 files: Q5_0, Q8_0 and Q6_K have an exact MatMulNBits
-    form, Q4_K and Q4_1 (a float minimum per block) do not, and the shares add up."""
+    """The official Qwen 0.5B and SmolLM2 files: every block type in them has an exact form
+    (Q4_K and Q4_1 with their minimum term), only the float norms and biases do not, and the
+    shares add up."""
     import real
     from benchmarks.gguf_types import analyse, table
 
     folder = real.need(real.QWEN_DRAFT, real.SMOLLM2)
     qwen = analyse(str(folder / real.QWEN_DRAFT))
-    assert {t for t, r in qwen["types"].items() if r["exact"]} == {"Q5_0", "Q8_0", "Q6_K"}
-    assert qwen["types"]["Q6_K"]["exact_form"] == {"bits": 8, "block": 16, "zero_point": 32}
+    assert {t for t, r in qwen["types"].items() if r["exact"]} == {"Q5_0", "Q8_0", "Q6_K", "Q4_K"}
+    assert qwen["types"]["Q6_K"]["exact_form"] == {"bits": 8, "block": 16, "zero_point": 32, "minimum_term": False}
+    assert qwen["types"]["Q4_K"]["exact_form"] == {"bits": 4, "block": 32, "zero_point": 0, "minimum_term": True}
+    assert qwen["types"]["Q4_K"]["exact_kernel_bits_per_weight"] == 7.0
     assert sum(r["share"] for r in qwen["types"].values()) == pytest.approx(1.0)
-    assert 0.85 < qwen["share_exact"] < 0.95  # Q4_K is the rest (half the ffn_down tensors)
+    assert 0.99 < qwen["share_exact"] < 1.0  # F32 norms and biases are the rest
     smol = analyse(str(folder / real.SMOLLM2))
-    assert not smol["types"]["Q4_1"]["exact"] and smol["types"]["Q8_0"]["exact"]
-    assert any(line.startswith("| Q4_1 |") and "no:" in line for line in table(smol))
+    assert smol["types"]["Q4_1"]["exact"] and smol["types"]["Q8_0"]["exact"] and not smol["types"]["F32"]["exact"]
+    assert any(line.startswith("| Q4_1 |") and "minimum term" in line for line in table(smol))
+
+
+@pytest.mark.real_weights
+def test_gguf_blocks_bundle_runs_the_files_weights():
+    """SmolLM2 exported with --gguf-blocks: every matrix kept as the file's Q4_1 and Q8_0 blocks,
+    and its next-token distributions far closer to the file's own weights in float32 than the
+    default bundle's, which rounds them a second time."""
+    import real
+    from benchmarks.fidelity import measure
+
+    folder = real.need(real.SMOLLM2)
+    kept = json.loads((real.bundle("smollm2-gguf") / "manifest.json").read_text())["models"]["target"]["gguf_blocks"]
+    assert set(kept) == {"Q4_1", "Q8_0"} and kept["Q4_1"] > 1e8
+    result = measure(str(folder / real.SMOLLM2), [str(real.bundle("smollm2-gguf")), str(real.bundle("smollm2-pair-int4-d128"))], ctx=256, chunks=2, log=lambda line: None)
+    exact, default = (result["bundles"][str(real.bundle(n))] for n in ("smollm2-gguf", "smollm2-pair-int4-d128"))
+    assert exact["kl_mean"] < 0.2 * default["kl_mean"], (exact["kl_mean"], default["kl_mean"])
+    assert exact["same_top1"] > default["same_top1"] + 0.1
 
 
 def test_sensitivity_ranks_each_roles_error(tiny_models):

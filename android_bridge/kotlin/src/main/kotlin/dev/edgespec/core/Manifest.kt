@@ -106,7 +106,7 @@ object ManifestReader {
         val modelsObj = top.obj("models")
         val models = LinkedHashMap<String, ModelInfo>()
         for (role in modelsObj.keys()) {
-            val f = Fields(modelsObj.getJSONObject(role), "model '$role'", listOf("source", "arch", "quant", "stages", "shares_kv_with", "trimmed_head", "block_size", "zero_points"))
+            val f = Fields(modelsObj.getJSONObject(role), "model '$role'", listOf("source", "arch", "quant", "stages", "shares_kv_with", "trimmed_head", "block_size", "zero_points", "gguf_blocks"))
             // A trimmed draft head needs its logits put back at the kept token ids; this core does not do that yet.
             if (f.has("trimmed_head")) {
                 throw BundleException("model '$role' has a trimmed LM head (trimmed_head): the Android core does not run trimmed draft heads yet; export without --draft-vocab")
@@ -117,6 +117,14 @@ object ManifestReader {
             }
             // Zero points, like blocks, live in each MatMulNBits node: the field is checked, not needed.
             if (f.has("zero_points")) f.bool("zero_points")
+            // GGUF blocks are MatMulNBits/GatherBlockQuantized nodes like any other: checked, not needed.
+            if (f.has("gguf_blocks")) {
+                val kept = f.obj("gguf_blocks")
+                val counts = kept.keys().asSequence().map { kept.get(it) }.toList()
+                if (counts.isEmpty() || counts.any { !(it is Int && it >= 0) && !(it is Long && it >= 0L) }) {
+                    throw BundleException("manifest model '$role': gguf_blocks is not a table of GGUF types to parameter counts")
+                }
+            }
             val a = Fields(f.obj("arch"), "model '$role' arch",
                 listOf("model_type", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_size", "vocab_size", "max_context", "kv_dtype", "layer_windows"))
             // Windowed layers are masked inside the graphs, but that path is untested here: refused by name, not run.
