@@ -1,4 +1,5 @@
-"""python -m benchmarks precision MODEL BUNDLE... [--prompts N] [--out FILE.json]
+"""python -m benchmarks bench BUNDLE --out DIR [--prompts SPEC] [--modes M] [--micro] ... (the decode bench, benchmarks/bench/)
+python -m benchmarks precision MODEL BUNDLE... [--prompts N] [--out FILE.json]
 python -m benchmarks ab OLD_BUNDLE NEW_BUNDLE [--blocks 1,5] [--kv-len 512] [--repeats 40] [--out FILE.json]
 python -m benchmarks op_profile BUNDLE [--blocks 1,2,4,8] [--kv-len 512] [--repeats 20] [--threads N] [--out FILE.json]
 python -m benchmarks fidelity MODEL BUNDLE... [--text FILE] [--ctx 512] [--out FILE.json]
@@ -10,9 +11,7 @@ python -m benchmarks greedy_stability BUNDLE... [--prompts SPEC] [--tokens N] [-
 python -m benchmarks block_stable_cost BUNDLE [--prompts SPEC] [--tokens N] [--drafters none,auto] [--out FILE.json]
 python -m benchmarks gpu_check --out DIR [--bundle DIR] [--reference DIR] ... (benchmarks/gpu_check.py)
 python -m benchmarks load_run BUNDLE [--waves 3] [--clients 32] [--slow 10] [--oversized 4] [--out FILE.json]
-python -m benchmarks summary DIR... (summary.json from each DIR/results.json of `python -m runtime bench`)
-
-The decode bench itself is `python -m runtime bench` (benchmarks/bench/)."""
+python -m benchmarks summary DIR... (summary.json from each DIR/results.json of `python -m benchmarks bench`)"""
 
 from __future__ import annotations
 
@@ -22,17 +21,116 @@ import sys
 from pathlib import Path
 
 
-def main() -> int:
-    if sys.argv[1:2] == ["gpu_check"]:
+def _new_folder(text: str) -> str:
+    """An output folder: may exist as a folder, must not be (or lie under) a file."""
+    path = Path(text)
+    for part in (path, *path.parents):
+        if part.exists() and not part.is_dir():
+            raise argparse.ArgumentTypeError(f"{part} exists and is not a folder")
+    return text
+
+
+def bench_parser() -> argparse.ArgumentParser:
+    """`bench`'s options. The value types are the runtime command line's own (`--gamma`,
+    `--temperature`, ... are checked as `python -m runtime generate` checks them), and so is the
+    parser: an argument error is one `error:` line, exit 2."""
+    import math
+
+    from runtime.__main__ import _Parser, _gamma, _integer, _number, _temperature
+    from runtime.gamma import MAX_GAMMA
+
+    bench = _Parser(prog="python -m benchmarks bench",
+                    description="decode benchmark of several modes, side by side; writes JSON, Markdown and plots")
+    bench.add_argument("bundle")
+    bench.add_argument("--prompts", default="humaneval:20", help="FILE.jsonl, humaneval[:N], humaneval:A-B, stdlib-edit:N or stdlib-edit:A-B; several, comma-separated")
+    bench.add_argument("--modes", default="plain,model,lookup,layer-skip,auto", help="comma-separated (plain is always run)")
+    bench.add_argument("--max-new-tokens", type=_integer(1), default=128)
+    bench.add_argument("--repeat", type=_integer(1), default=1, help="passes over all prompts, interleaved")
+    bench.add_argument("--gamma", type=_gamma, default="auto", help="auto (adaptive) or a fixed draft length")
+    bench.add_argument("--max-gamma", type=_integer(1, MAX_GAMMA), default=8)
+    bench.add_argument("--temperature", type=_temperature(math.inf), default=0.0, help="0 (default): greedy; above 0: sampled, once per seed")
+    bench.add_argument("--top-p", type=_number(0.0, 1.0, low_open=True), default=1.0, help="with --temperature (default 1.0)")
+    bench.add_argument("--seeds", type=_integer(1), default=1, help="with --temperature: runs per prompt and mode, seeds 0..N-1")
+    bench.add_argument("--provider", default="auto", help="auto|cpu|cuda|dml|coreml (default auto)")
+    bench.add_argument("--threads", type=_integer(0, 1024), default=0)
+    bench.add_argument("--micro", action="store_true",
+                       help="time single passes instead: target T=1..16, one draft step per role, memory-bandwidth floor")
+    bench.add_argument("--kv-len", type=_integer(1), default=512, help="--micro: rows already in the KV cache (default 512)")
+    bench.add_argument("--quiet", action="store_true", help="no progress line per run on stderr")
+    bench.add_argument("--out", required=True, type=_new_folder, help="folder for results.json + summary.json / micro.json, report.md and PNGs")
+    return bench
+
+
+def bench(argv: list[str]) -> int:
+    """`python -m benchmarks bench ...`: the arguments checked, then the bench or the micro
+    benchmark, report.md printed. A bad bundle, prompt set, provider or --out is one `error:`
+    line, exit 2, as on the runtime's command line."""
+    from edge_spec.manifest import BundleError
+    from edge_spec.placement import PlacementError
+    from runtime.engine import PromptTooLongError
+    from runtime.kv_cache import ContextFullError
+    from runtime.sessions import ProviderError
+    from runtime.tokenizer import ChatTemplateError
+
+    args = bench_parser().parse_args(argv)
+    try:
+        return _run_bench(args)
+    except (BundleError, PlacementError, PromptTooLongError, ContextFullError, ProviderError, ChatTemplateError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run_bench(args) -> int:
+    from benchmarks.bench import BenchConfig, MicroConfig, load_prompts, render_report, run_bench, run_micro, save_micro, save_results
+
+    out = Path(args.out)
+
+    def make_out() -> None:
+        """After the arguments and prompts are checked (bad input leaves no folder behind), before
+        the run (a folder that cannot be made would otherwise fail only once the run is over)."""
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"cannot create --out {out}: {exc.strerror or exc}") from None
+
+    if args.micro:
+        make_out()
+        save_micro(run_micro(args.bundle, MicroConfig(kv_len=args.kv_len, provider=args.provider, threads=args.threads)), out)
+    else:
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        if "plain" not in modes:
+            modes.insert(0, "plain")  # every speedup is measured against plain decoding
+        config = BenchConfig(
+            modes=tuple(modes), max_new_tokens=args.max_new_tokens, repeat=args.repeat,
+            gamma=None if args.gamma == "auto" else int(args.gamma), max_gamma=args.max_gamma,
+            provider=args.provider, threads=args.threads, temperature=args.temperature, top_p=args.top_p, seeds=args.seeds,
+        )
+        prompts = load_prompts(args.prompts)
+        make_out()
+        log = (lambda line: None) if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
+        save_results(run_bench(args.bundle, prompts, config, log=log), out)
+    for warning in render_report(out):
+        print(f"warning: {warning}", file=sys.stderr)
+    print((out / "report.md").read_text())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        return bench(argv[1:])
+    if argv[:1] == ["gpu_check"]:
         from benchmarks.gpu_check import main as gpu_check
 
-        return gpu_check(sys.argv[2:])
-    if sys.argv[1:2] == ["load_run"]:
+        return gpu_check(argv[1:])
+    if argv[:1] == ["load_run"]:
         from benchmarks.load_run import main as load_run
 
-        return load_run(sys.argv[2:])
+        return load_run(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m benchmarks")
     sub = parser.add_subparsers(dest="command", required=True)
+    # Listed for --help only: main() hands `bench` to bench() before parsing.
+    sub.add_parser("bench", help="the decode bench: every mode on every prompt side by side, or --micro (python -m benchmarks bench --help)")
     precision = sub.add_parser("precision", help="bundle logits against transformers fp32")
     precision.add_argument("model", help="what the bundles were exported from (alias, folder, .gguf)")
     precision.add_argument("bundles", nargs="+")
@@ -55,7 +153,7 @@ def main() -> int:
     spinning.add_argument("--out", help="write the result as JSON here")
     stability = sub.add_parser("greedy_stability", help="1-row vs block logits, and greedy identity with block-stable mode off and on")
     stability.add_argument("bundles", nargs="+")
-    stability.add_argument("--prompts", default="humaneval:20", help="runtime bench's prompt spec (default humaneval:20)")
+    stability.add_argument("--prompts", default="humaneval:20", help="the bench's prompt spec (default humaneval:20)")
     stability.add_argument("--tokens", type=int, default=128, help="greedy tokens per run (default 128)")
     stability.add_argument("--modes", default="default,block_stable", help="greedy identity runs: default, block_stable, or none")
     stability.add_argument("--out", help="write the rows as JSON here")
@@ -90,7 +188,7 @@ def main() -> int:
     sens.add_argument("--out", help="write the result as JSON here")
     summary = sub.add_parser("summary", help="summary.json (what BENCHMARKS.md cites) from each DIR/results.json")
     summary.add_argument("folders", nargs="+", metavar="DIR")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     if args.command == "summary":
         from benchmarks.bench.summary import RESULTS_FILE, write_summary

@@ -1,4 +1,5 @@
-"""python -m runtime generate|audit|bench|serve|chat|plan|check|handoff BUNDLE ...: the command line over runtime.Engine."""
+"""python -m runtime generate|audit|serve|chat|plan|check|handoff BUNDLE ...: the command line over runtime.Engine.
+(The decode bench is `python -m benchmarks bench`; `python -m runtime bench` only says so.)"""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import argparse
 import json
 import math
 import sys
-from pathlib import Path
 
 from runtime.engine import DRAFTERS
 from runtime.gamma import MAX_GAMMA
@@ -101,15 +101,6 @@ def _gamma(text: str) -> str:
         raise argparse.ArgumentTypeError(f"must be auto or an integer 1..{MAX_GAMMA}, got {text!r}") from None
     if not 1 <= value <= MAX_GAMMA:
         raise argparse.ArgumentTypeError(f"must be auto or an integer 1..{MAX_GAMMA}, got {value}")
-    return text
-
-
-def _new_folder(text: str) -> str:
-    """An output folder: may exist as a folder, must not be (or lie under) a file."""
-    path = Path(text)
-    for part in (path, *path.parents):
-        if part.exists() and not part.is_dir():
-            raise argparse.ArgumentTypeError(f"{part} exists and is not a folder")
     return text
 
 
@@ -274,47 +265,14 @@ def cmd_audit(args) -> int:
     return 0 if report.passed else 1
 
 
-def cmd_bench(args) -> int:
-    from pathlib import Path
+def bench_moved(argv: list[str]) -> int:
+    """`python -m runtime bench ...`, the bench's old place: one `error:` line naming the new
+    command with the same arguments, exit 2 (the runtime imports nothing from benchmarks/)."""
+    import shlex
 
-    try:  # the benchmark lives in the repository's benchmarks/, outside the installed package
-        from benchmarks.bench import BenchConfig, MicroConfig, load_prompts, render_report, run_bench, run_micro, save_micro, save_results
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("benchmarks", "benchmarks.bench"):
-            raise
-        raise ValueError("`bench` runs from a checkout of the repository: its benchmarks/ folder is not part of the installed "
-                         "package; run it from the checkout's root (or with it on PYTHONPATH)") from None
-
-    out = Path(args.out)
-
-    def make_out() -> None:
-        """After the arguments and prompts are checked (bad input leaves no folder behind), before
-        the run (a folder that cannot be made would otherwise fail only once the run is over)."""
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ValueError(f"cannot create --out {out}: {exc.strerror or exc}") from None
-
-    if args.micro:
-        make_out()
-        save_micro(run_micro(args.bundle, MicroConfig(kv_len=args.kv_len, provider=args.provider, threads=args.threads)), out)
-    else:
-        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-        if "plain" not in modes:
-            modes.insert(0, "plain")  # every speedup is measured against plain decoding
-        config = BenchConfig(
-            modes=tuple(modes), max_new_tokens=args.max_new_tokens, repeat=args.repeat,
-            gamma=None if args.gamma == "auto" else int(args.gamma), max_gamma=args.max_gamma,
-            provider=args.provider, threads=args.threads, temperature=args.temperature, top_p=args.top_p, seeds=args.seeds,
-        )
-        prompts = load_prompts(args.prompts)
-        make_out()
-        log = (lambda line: None) if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
-        save_results(run_bench(args.bundle, prompts, config, log=log), out)
-    for warning in render_report(out):
-        print(f"warning: {warning}", file=sys.stderr)
-    print((out / "report.md").read_text())
-    return 0
+    print(f"error: the bench moved out of the runtime: run `python -m benchmarks {shlex.join(argv)}` "
+          "from the repository's root (same options)", file=sys.stderr)
+    return 2
 
 
 def cmd_serve(args) -> int:
@@ -437,6 +395,9 @@ def cmd_handoff(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        return bench_moved(argv)
     parser = _Parser(prog="python -m runtime", description="Run edge-spec bundles.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -465,25 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     audit.add_argument("--json", action="store_true")
     audit.set_defaults(func=cmd_audit)
 
-    bench = sub.add_parser("bench", help="decode benchmark of several modes, side by side; writes JSON, Markdown and plots")
-    bench.add_argument("bundle")
-    bench.add_argument("--prompts", default="humaneval:20", help="FILE.jsonl, humaneval[:N], humaneval:A-B, stdlib-edit:N or stdlib-edit:A-B; several, comma-separated")
-    bench.add_argument("--modes", default="plain,model,lookup,layer-skip,auto", help="comma-separated (plain is always run)")
-    bench.add_argument("--max-new-tokens", type=_integer(1), default=128)
-    bench.add_argument("--repeat", type=_integer(1), default=1, help="passes over all prompts, interleaved")
-    bench.add_argument("--gamma", type=_gamma, default="auto", help="auto (adaptive) or a fixed draft length")
-    bench.add_argument("--max-gamma", type=_integer(1, MAX_GAMMA), default=8)
-    bench.add_argument("--temperature", type=_temperature(math.inf), default=0.0, help="0 (default): greedy; above 0: sampled, once per seed")
-    bench.add_argument("--top-p", type=_number(0.0, 1.0, low_open=True), default=1.0, help="with --temperature (default 1.0)")
-    bench.add_argument("--seeds", type=_integer(1), default=1, help="with --temperature: runs per prompt and mode, seeds 0..N-1")
-    bench.add_argument("--provider", default="auto", help="auto|cpu|cuda|dml|coreml (default auto)")
-    bench.add_argument("--threads", type=_integer(0, 1024), default=0)
-    bench.add_argument("--micro", action="store_true",
-                       help="time single passes instead: target T=1..16, one draft step per role, memory-bandwidth floor")
-    bench.add_argument("--kv-len", type=_integer(1), default=512, help="--micro: rows already in the KV cache (default 512)")
-    bench.add_argument("--quiet", action="store_true", help="no progress line per run on stderr")
-    bench.add_argument("--out", required=True, type=_new_folder, help="folder for results.json + summary.json / micro.json, report.md and PNGs")
-    bench.set_defaults(func=cmd_bench)
+    # Listed for --help only: main() answers `bench` before parsing (bench_moved).
+    sub.add_parser("bench", help="moved: python -m benchmarks bench BUNDLE --out DIR ... (same options)")
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     _engine_args(serve)
@@ -554,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     handoff.add_argument("--method", default="auto", choices=("auto", "draft", "lookup"),
                          help="draft model or n-gram lookup (auto: the draft model when the bundle has one)")
     handoff.add_argument("--alpha", type=_number(0.0, 0.999), help="per-token acceptance α measured on this device")
-    handoff.add_argument("--bench-results", metavar="FILE", help="results.json of `runtime bench`: α is its median")
+    handoff.add_argument("--bench-results", metavar="FILE", help="results.json of `benchmarks bench`: α is its median")
     handoff.add_argument("--port", type=_integer(1, 65535), default=8000)
     handoff.add_argument("--json", action="store_true")
     handoff.set_defaults(func=cmd_handoff)

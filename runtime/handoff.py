@@ -55,7 +55,7 @@ def hub_id(source: str) -> tuple[str, str | None]:
 
 
 def measured_alpha(results_file: str | Path) -> dict[str, float]:
-    """Median per-request α by bench mode ("model", "lookup", ...) from `runtime bench` results.json.
+    """Median per-request α by bench mode ("model", "lookup", ...) from `benchmarks bench` results.json.
     A file that cannot be read or is not JSON is a ValueError naming it (one line on the CLI)."""
     try:
         data = json.loads(Path(results_file).read_text())

@@ -1,4 +1,4 @@
-"""`python -m runtime bench` (benchmarks/bench/) on a tiny bundle: the results schema and its
+"""`python -m benchmarks bench` (benchmarks/bench/) on a tiny bundle: the results schema and its
 arithmetic, the committed summary, the report and plots, prompts-file validation, and the
 --micro pass timings and bandwidth floor."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.bench import BenchConfig, PromptsError, load_prompts, run_bench
-from runtime.__main__ import main
+from benchmarks.__main__ import main
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("plain", "lookup", "model")

@@ -194,22 +194,26 @@ def test_api_key_file_blank_or_missing(tmp_path, llama_bundle):
 def test_bench_out_an_existing_file(tmp_path, llama_bundle):
     (tmp_path / "f").write_text("keep")
     for out in (tmp_path / "f", tmp_path / "f" / "sub"):
-        assert "exists and is not a folder" in _error_line(_run("runtime", "bench", llama_bundle, "--out", out), only_line=True)
+        assert "exists and is not a folder" in _error_line(_run("benchmarks", "bench", llama_bundle, "--out", out), only_line=True)
     assert (tmp_path / "f").read_text() == "keep"
 
 
-def test_bench_without_the_benchmarks_folder(tmp_path, llama_bundle):
-    """Installed from a wheel the runtime has no benchmarks/: `bench` says where it runs from."""
+def test_runtime_bench_names_its_new_command(tmp_path, llama_bundle):
+    """`python -m runtime bench` was the bench's old place: one `error:` line naming `python -m
+    benchmarks bench` with the same arguments, exit 2, nothing run or written; the same from an
+    installed runtime, which has no benchmarks/ folder to import."""
+    out = tmp_path / "out"
+    expected = f"run `python -m benchmarks bench {llama_bundle} --out {out} --quiet` from the repository's root"
+    assert expected in _error_line(_run("runtime", "bench", llama_bundle, "--out", out, "--quiet"), only_line=True)
     installed = tmp_path / "site"
     installed.mkdir()
     for package in ("edge_spec", "runtime"):
         (installed / package).symlink_to(ROOT / package)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(installed))
-    proc = subprocess.run([sys.executable, "-m", "runtime", "bench", str(llama_bundle), "--out", str(tmp_path / "out")],
+    proc = subprocess.run([sys.executable, "-m", "runtime", "bench", str(llama_bundle), "--out", str(out), "--quiet"],
                           cwd=installed, env=env, capture_output=True, text=True, timeout=120)
-    line = _error_line(proc, only_line=True)
-    assert "checkout of the repository" in line and "benchmarks/" in line
-    assert not (tmp_path / "out").exists()
+    assert expected in _error_line(proc, only_line=True)
+    assert not out.exists()
 
 
 def _edited(llama_bundle, tmp_path, edit) -> Path:
@@ -319,5 +323,5 @@ def test_prompt_that_is_not_utf8(llama_bundle):
 
 
 def test_bench_out_that_cannot_be_made(llama_bundle):
-    line = _error_line(_run("runtime", "bench", llama_bundle, "--out", "/proc/x", "--quiet"), only_line=True)
+    line = _error_line(_run("benchmarks", "bench", llama_bundle, "--out", "/proc/x", "--quiet"), only_line=True)
     assert "cannot create --out /proc/x" in line

@@ -3,6 +3,7 @@ transformers (checked in a fresh interpreter, since this test session imports bo
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -36,6 +37,29 @@ def test_runtime_never_imports_benchmarks():
     modules = _modules_after("import runtime, runtime.engine, runtime.__main__, runtime.audit, runtime.api, runtime.handoff")
     assert "runtime.__main__" in modules
     assert sorted(m for m in modules if m.split(".")[0] == "benchmarks") == []
+
+
+def _imports_benchmarks(node: ast.AST) -> bool:
+    if isinstance(node, ast.Import):
+        return any(alias.name.split(".")[0] == "benchmarks" for alias in node.names)
+    if isinstance(node, ast.ImportFrom):  # `from benchmarks[.x] import y`; a relative import stays inside runtime/
+        return node.level == 0 and (node.module or "").split(".")[0] == "benchmarks"
+    if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):  # import_module("benchmarks...")
+        name = getattr(node.func, "attr", None) or getattr(node.func, "id", None)
+        return name in ("import_module", "__import__") and str(node.args[0].value).split(".")[0] == "benchmarks"
+    return False
+
+
+def test_no_runtime_module_imports_benchmarks():
+    """The arrow runs one way (docs/architecture.md): benchmarks/ imports the runtime, no module
+    under runtime/ imports benchmarks, not even inside a function or a try (which the import test
+    above cannot see until that code runs)."""
+    files = sorted((ROOT / "runtime").rglob("*.py"))
+    assert len(files) > 10 and ROOT / "runtime" / "__main__.py" in files
+    found = [f"{path.relative_to(ROOT)}:{node.lineno}"
+             for path in files for node in ast.walk(ast.parse(path.read_text(), filename=str(path)))
+             if _imports_benchmarks(node)]
+    assert found == [], f"runtime/ imports benchmarks/ at {', '.join(found)}"
 
 
 def test_generating_stays_light(llama_bundle):

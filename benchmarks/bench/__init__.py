@@ -1,4 +1,4 @@
-"""The decode benchmark (`python -m runtime bench`): every mode on every prompt side by side,
+"""The decode benchmark (`python -m benchmarks bench`): every mode on every prompt side by side,
 and a micro benchmark of single passes. It times the Engine from outside, through the session
 hook the Engine accepts (timing.py); it is not part of the installed package.
 
