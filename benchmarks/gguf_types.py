@@ -31,7 +31,7 @@ def analyse(path: str) -> dict:
     for name, count in sorted(params.items(), key=lambda kv: -kv[1]):
         form = FORMS.get(name)
         file_bits = form[0] if form else NOT_BLOCKS.get(name)
-        why = form[5] if form else ("float; quantized by the exporter" if name in NOT_BLOCKS else "no block form: quantized by the exporter")
+        why = form[5] if form else ("float: norms and biases stay float32, a float matrix is quantized by the exporter" if name in NOT_BLOCKS else "no block form: quantized by the exporter")
         rows[name] = {"params": count, "share": count / total, "file_bits_per_weight": file_bits, "exact": form is not None, "why": why,
                       "exact_form": None if form is None else {"bits": form[1], "block": form[2], "zero_point": form[3], "minimum_term": form[4]},
                       "exact_kernel_bits_per_weight": None if form is None else kernel_bits(name)}

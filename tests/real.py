@@ -88,10 +88,10 @@ REAL_BUNDLES = {
     "qwen-pair-int4-trim32k": ("qwen2.5-coder-1.5b", "int4", ("qwen2.5-coder-0.5b",), 2048, "fused", "cpu"),
     # SmolLM2 drafting for itself at coarser blocks (export --draft-block-size 128): the cheapest real pair.
     "smollm2-pair-int4-d128": ("smollm2-135m", "int4", ("smollm2-135m",), 1024, "fused", "cpu"),
-    # SmolLM2 with its GGUF's own Q4_1/Q8_0 blocks kept (export --gguf-blocks).
-    "smollm2-gguf": ("smollm2-135m", "int4", (), 1024, "fused", "cpu"),
+    # SmolLM2 re-quantized (export --requantize): beside the default, which keeps the file's blocks.
+    "smollm2-int4-requant": ("smollm2-135m", "int4", (), 1024, "fused", "cpu"),
 }
-GGUF_BLOCKS = {"smollm2-gguf"}  # names exported with --gguf-blocks
+GGUF_BLOCKS = {"smollm2-int4-requant": False}  # name -> export gguf_blocks (else the default: kept where it can)
 DRAFT_VOCAB = {"qwen-pair-int4-trim32k": 32768}  # name -> export --draft-vocab
 BLOCK_SIZE = {"gemma3-int4-b128": 128}  # name -> export --block-size (else the default)
 DRAFT_BLOCK_SIZE = {"smollm2-pair-int4-d128": 128}  # name -> export --draft-block-size (else --block-size)
@@ -105,7 +105,7 @@ def _config(name: str) -> str:
     model, quant, drafts, max_context, attention, device = REAL_BUNDLES[name]
     return (f"ExportConfig({model!r}, Path({str(_bundle_path(name))!r}), {quant!r}, {max_context}, {drafts!r}, force=True, "
             f"attention={attention!r}, device={device!r}, draft_vocab={DRAFT_VOCAB.get(name)!r}, block_size={BLOCK_SIZE.get(name, 32)!r}, "
-            f"draft_block_size={DRAFT_BLOCK_SIZE.get(name)!r}, gguf_blocks={name in GGUF_BLOCKS!r})")
+            f"draft_block_size={DRAFT_BLOCK_SIZE.get(name)!r}, gguf_blocks={GGUF_BLOCKS.get(name)!r})")
 
 
 def _export_script(names: list[str]) -> str:

@@ -209,17 +209,20 @@ def test_gguf_types_says_which_official_types_map_exactly():
 
 @pytest.mark.real_weights
 def test_gguf_blocks_bundle_runs_the_files_weights():
-    """SmolLM2 exported with --gguf-blocks: every matrix kept as the file's Q4_1 and Q8_0 blocks,
-    and its next-token distributions far closer to the file's own weights in float32 than the
-    default bundle's, which rounds them a second time."""
+    """SmolLM2's default int4 export keeps every matrix as the file's Q4_1 and Q8_0 blocks (its
+    draft is re-quantized), and its next-token distributions are far closer to the file's own
+    weights in float32 than those of the same export with --requantize, which rounds them twice."""
     import real
     from benchmarks.fidelity import measure
 
     folder = real.need(real.SMOLLM2)
-    kept = json.loads((real.bundle("smollm2-gguf") / "manifest.json").read_text())["models"]["target"]["gguf_blocks"]
-    assert set(kept) == {"Q4_1", "Q8_0"} and kept["Q4_1"] > 1e8
-    result = measure(str(folder / real.SMOLLM2), [str(real.bundle("smollm2-gguf")), str(real.bundle("smollm2-pair-int4-d128"))], ctx=256, chunks=2, log=lambda line: None)
-    exact, default = (result["bundles"][str(real.bundle(n))] for n in ("smollm2-gguf", "smollm2-pair-int4-d128"))
+    kept, requantized = real.bundle("smollm2-pair-int4-d128"), real.bundle("smollm2-int4-requant")
+    models = json.loads((kept / "manifest.json").read_text())["models"]
+    assert set(models["target"]["gguf_blocks"]) == {"Q4_1", "Q8_0"} and models["target"]["gguf_blocks"]["Q4_1"] > 1e8
+    assert models["draft"]["gguf_blocks"] is None
+    assert json.loads((requantized / "manifest.json").read_text())["models"]["target"]["gguf_blocks"] is None
+    result = measure(str(folder / real.SMOLLM2), [str(kept), str(requantized)], ctx=256, chunks=2, log=lambda line: None)
+    exact, default = (result["bundles"][str(b)] for b in (kept, requantized))
     assert exact["kl_mean"] < 0.2 * default["kl_mean"], (exact["kl_mean"], default["kl_mean"])
     assert exact["same_top1"] > default["same_top1"] + 0.1
 
