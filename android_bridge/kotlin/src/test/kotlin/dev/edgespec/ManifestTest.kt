@@ -52,6 +52,17 @@ class ManifestTest {
     }), "trimmed LM head (trimmed_head)", "export without --draft-vocab")
     @Test fun `block size not offered`() = refused(mutated({ it.getJSONObject("models").getJSONObject("target").put("block_size", 48) }),
         "block_size 48 is not one of [16, 32, 64, 128, 256]")
+    @Test fun `gguf blocks not a table of counts`() = refused(mutated({ it.getJSONObject("models").getJSONObject("target").put("gguf_blocks", JSONObject().put("Q4_K", -1)) }),
+        "gguf_blocks is not a table of GGUF types to parameter counts")
+
+    @Test
+    fun `gguf blocks read as a table of counts`() {
+        // Counts past Int's range (a 7B model's Q4_K) are read, not refused.
+        val dir = mutated({ it.getJSONObject("models").getJSONObject("target").put("gguf_blocks", JSONObject().put("Q4_K", 5_000_000_000L).put("Q6_K", 12)) })
+        assertEquals(setOf("target", "draft", "layer_skip"), ManifestReader.load(dir).models.keys)
+        dir.deleteRecursively()
+    }
+
     @Test fun `unknown field`() = refused(mutated({ it.put("extra", 1) }), "unknown field(s) [extra]")
     @Test fun `gpu device profile refused`() = refused(mutated({ it.put("device", "cuda") }), "exported for --device cuda", "--device cpu")
     @Test fun `no target`() = refused(mutated({ m -> val models = m.getJSONObject("models"); models.put("x", models.remove("target")); m.remove("default_draft") }), "no 'target' model")
