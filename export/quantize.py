@@ -36,7 +36,7 @@ from onnx import helper, numpy_helper
 
 from edge_spec import names
 from edge_spec.manifest import DEFAULT_QUANT_BLOCK
-from export.gguf_blocks import to_int8
+from export.gguf_blocks import MINIMUM_BLOCK, concat, to_int8
 
 ACCURACY_LEVEL = 4
 
@@ -184,8 +184,6 @@ def blocks_matmul(node: onnx.NodeProto, parts: list, made: set[str]) -> tuple[li
     [K/32, N] minimum matrix (float32, as the GGUF's d * m is exact there). The sums are taken
     as means (ReduceMean, which every provider's kernel table has) against the matrix times 32,
     a power of two, so still exact."""
-    from export.gguf_blocks import MINIMUM_BLOCK, concat
-
     runs: list[list] = []
     for part in parts:
         if runs and runs[-1][0].same_form(part):
@@ -227,8 +225,6 @@ def blocks_gather(node: onnx.NodeProto, blocks, made: set[str]) -> tuple[list[on
     """Gather(table [V, H], ids) from the GGUF's own blocks: GatherBlockQuantized on q (uint8,
     `bits` saying whether packed), and for a form with a minimum the ids' rows of the [V, H/32]
     minimum matrix added per 32."""
-    from export.gguf_blocks import MINIMUM_BLOCK
-
     v, h = blocks.shape
     base, out = node.input[0], node.output[0]
     main = out if blocks.minimum is None else f"{out}.blocks"
@@ -287,6 +283,7 @@ def write_stage(model: onnx.ModelProto, weights, dst: Path, matmul_bits: int | N
     Returns the weights written per GGUF type, and "requantized" for the rest."""
     graph = model.graph
     kept_as: dict[str, int] = {}
+    written: set[str] = set()  # names of the kept blocks' initializers and their shared constants
     initializers = {t.name: t for t in graph.initializer}
     quantizers = {op: _node_quantizer(bits, block_size) for op, bits in (("MatMul", matmul_bits), ("Gather", gather_bits)) if bits}
     writer = DataWriter(dst)
@@ -301,7 +298,6 @@ def write_stage(model: onnx.ModelProto, weights, dst: Path, matmul_bits: int | N
             parts = gguf(weight) if gguf is not None else None
             if parts and same_weights(parts, weights.array(weight), node.op_type == "Gather"):
                 parts = [to_int8(p) if p.type in gguf_to_int8 else p for p in parts]
-                written = {t.name for t in made}
                 built, tensors = (blocks_gather(node, parts[0], written) if node.op_type == "Gather" and len(parts) == 1 else
                                   blocks_matmul(node, parts, written))
                 nodes.extend(built)
