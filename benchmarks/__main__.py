@@ -10,6 +10,7 @@ python -m benchmarks activations MODEL [--out FILE.json]
 python -m benchmarks greedy_stability BUNDLE... [--prompts SPEC] [--tokens N] [--modes M] [--out FILE.json]
 python -m benchmarks block_stable_cost BUNDLE [--prompts SPEC] [--tokens N] [--drafters none,auto] [--out FILE.json]
 python -m benchmarks gpu_check --out DIR [--bundle DIR] [--reference DIR] ... (benchmarks/gpu_check.py)
+python -m benchmarks gpu_kit --out DIR (--download | --wheel FILE | --no-wheels) [--bundle DIR] ... (benchmarks/gpu_kit.py)
 python -m benchmarks load_run BUNDLE [--waves 3] [--clients 32] [--slow 10] [--oversized 4] [--out FILE.json]
 python -m benchmarks summary DIR... (summary.json from each DIR/results.json of `python -m benchmarks bench`)"""
 
@@ -123,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.gpu_check import main as gpu_check
 
         return gpu_check(argv[1:])
+    if argv[:1] == ["gpu_kit"]:
+        from benchmarks.gpu_kit import main as gpu_kit
+
+        return gpu_kit(argv[1:])
     if argv[:1] == ["load_run"]:
         from benchmarks.load_run import main as load_run
 
