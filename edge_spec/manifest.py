@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -473,23 +474,58 @@ def _inside(path: Path, root: Path) -> None:
                           "copy the file into the bundle instead")
 
 
-def load_manifest(bundle_dir: str | Path, check_hashes: bool = True) -> Manifest:
-    bundle_dir = Path(bundle_dir)
+def check_sha256(value, what: str = "bundle_sha256") -> str:
+    """A SHA-256 as 64 lowercase hex digits; anything else is a one-line ValueError naming `what`."""
+    if not isinstance(value, str) or not re.fullmatch(r"[0-9a-fA-F]{64}", value.strip()):
+        raise ValueError(f"{what} must be 64 hexadecimal digits (the SHA-256 of the bundle's {MANIFEST_FILE}), "
+                         f"got {json.dumps(value)[:24] if isinstance(value, str) else type(value).__name__}")
+    return value.strip().lower()
+
+
+def bundle_digest(bundle_dir: str | Path) -> str:
+    """The bundle's one hash: the SHA-256 of manifest.json's bytes. The manifest lists every other
+    file's SHA-256 (checked at load), so this covers the whole bundle, manifest and template included."""
+    return hashlib.sha256(_manifest_bytes(Path(bundle_dir))).hexdigest()
+
+
+def _manifest_bytes(bundle_dir: Path) -> bytes:
     path = bundle_dir / MANIFEST_FILE
     if not bundle_dir.is_dir():
         raise BundleError(f"bundle folder not found: {bundle_dir}")
     if not path.is_file():
         raise BundleError(f"{bundle_dir} is not a bundle: it has no {MANIFEST_FILE} (run `python -m export` first)")
     _inside(path, bundle_dir.resolve())
+    return path.read_bytes()
+
+
+def read_manifest(bundle_dir: str | Path, check_hashes: bool = True, expected_sha256: str | None = None) -> tuple[Manifest, str]:
+    """The checked manifest and the bundle's digest (bundle_digest). With expected_sha256, a
+    manifest whose bytes hash otherwise is refused before it is parsed; the bytes hashed are
+    the bytes parsed, so the file cannot change in between."""
+    bundle_dir = Path(bundle_dir)
+    if expected_sha256 is not None:
+        expected_sha256 = check_sha256(expected_sha256)
+        if not check_hashes:  # the digest vouches for the other files only through their hashes
+            raise BundleError("a pinned bundle SHA-256 needs the file hashes checked (check_hashes=True)")
+    raw = _manifest_bytes(bundle_dir)
+    digest = hashlib.sha256(raw).hexdigest()
+    path = bundle_dir / MANIFEST_FILE
+    if expected_sha256 is not None and digest != expected_sha256:
+        raise BundleError(f"{path} has SHA-256 {digest[:16]}…, the pinned bundle SHA-256 is {expected_sha256[:16]}…: "
+                          "the manifest was edited or this is another bundle (refused)")
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(raw.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BundleError(f"{path} is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise BundleError(f"{path} must hold a JSON object")
     manifest = manifest_from_dict(data)
     validate(manifest, bundle_dir, check_hashes)
-    return manifest
+    return manifest, digest
+
+
+def load_manifest(bundle_dir: str | Path, check_hashes: bool = True, expected_sha256: str | None = None) -> Manifest:
+    return read_manifest(bundle_dir, check_hashes, expected_sha256)[0]
 
 
 def check_fact_types(manifest: Manifest) -> None:

@@ -488,6 +488,7 @@ def export_bundle(config: ExportConfig, log: Callable[[str], None] = _log_stderr
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     progress(f"bundle written to {out}")
+    progress(f"bundle SHA-256 (to pin it: --bundle-sha256): {mf.bundle_digest(out)}")
     return manifest
 
 

@@ -104,6 +104,15 @@ def _gamma(text: str) -> str:
     return text
 
 
+def _sha256(text: str) -> str:
+    from edge_spec.manifest import check_sha256
+
+    try:
+        return check_sha256(text, "the bundle SHA-256")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 class _Parser(argparse.ArgumentParser):
     """Argument errors as one `error:` line (exit 2), like every other error of the command."""
 
@@ -128,6 +137,8 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-gamma", type=_integer(1, MAX_GAMMA), default=8, help=f"longest draft for auto (1..{MAX_GAMMA}, default 8)")
     parser.add_argument("--block-stable", action="store_true",
                         help="every target pass scores at least 2 positions: greedy output independent of drafter and gamma at any quantization (plain steps cost more)")
+    parser.add_argument("--bundle-sha256", type=_sha256, metavar="HEX",
+                        help="refuse the bundle unless manifest.json has this SHA-256 (printed by export and `check`); it covers every file")
 
 
 def _memory_size(text: str) -> int:
@@ -174,6 +185,7 @@ def _engine(args):
         coreml_static_shapes=args.coreml_static_shapes,
         memory_budget=getattr(args, "memory_budget", None),
         block_stable=args.block_stable, suffix_cache_tokens=args.suffix_cache_tokens,
+        bundle_sha256=args.bundle_sha256,
     )
     engine = Engine(args.bundle, config)
     print(engine.provider_line(), file=sys.stderr, flush=True)
@@ -298,7 +310,7 @@ def cmd_serve(args) -> int:
         header_timeout=args.header_timeout, body_timeout=args.body_timeout, idle_timeout=args.idle_timeout,
         max_connections=args.max_connections, max_connections_per_client=args.max_connections_per_client,
         client_prefix_v4=args.client_prefix_v4, client_prefix_v6=args.client_prefix_v6,
-        auth_failures_global=args.auth_failures_global,
+        auth_failures_global=args.auth_failures_global, max_body_bytes=args.max_body_bytes,
         shutdown_timeout=args.shutdown_timeout, access_log=not args.no_access_log,
     )
     model = Model(_engine(args), max_queue=args.max_queue, queue_timeout=args.queue_timeout or None, name=args.model_name)
@@ -353,9 +365,10 @@ def cmd_check(args) -> int:
     bundle = open_bundle(args.bundle, check_hashes=False)
     report = check_bundle(bundle.manifest, bundle.path, args.provider, args.onnxruntime)
     if args.json:
-        print(json.dumps({"bundle": str(bundle.path), "device": bundle.manifest.device, **report.to_dict()}))
+        print(json.dumps({"bundle": str(bundle.path), "bundle_sha256": bundle.digest, "device": bundle.manifest.device, **report.to_dict()}))
         return 0 if report.ok else 1
     print(f"{bundle.path} (--device {bundle.manifest.device}) on {args.provider}: {report.summary()}")
+    print(f"  bundle SHA-256 (pin with --bundle-sha256): {bundle.digest}")
     for op, misses in report.by_op().items():
         stages = sorted({m.stage for m in misses})
         print(f"  {op}: {len(misses)} node(s) in {', '.join(stages)}: {misses[0].reason}")
@@ -455,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="an IPv6 client counts by this many leading bits for the connection cap and the wrong-key throttle (1..128, default 64)")
     serve.add_argument("--auth-failures-global", type=_server_field("auth_failures_global"), default=100, metavar="N",
                        help="wrong API keys per minute from all networks together; past it only networks that sent a right key are answered (default 100)")
+    serve.add_argument("--max-body-bytes", type=_server_field("max_body_bytes"), metavar="N",
+                       help="largest request body (default: the most a request to the bundle can need, from its context and tokens)")
     serve.add_argument("--shutdown-timeout", type=_number(0.0, low_open=True), default=10.0,
                        help="seconds running generations may finish after SIGTERM before they are cancelled (default 10)")
     serve.add_argument("--no-access-log", action="store_true", help="no access-log line per request on stderr")

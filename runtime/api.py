@@ -32,6 +32,7 @@ Imports no torch/transformers: onnxruntime, numpy, tokenizers and jinja2 only.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import threading
 import time
@@ -483,14 +484,18 @@ class Model:
         name: str | None = None,
         engine_config: EngineConfig | None = None,
         stream_idle_timeout: float | None = 60.0,
+        bundle_sha256: str | None = None,
     ) -> "Model":
         """Open a bundle (validates it, loads the sessions, calibrates γ costs). engine_config,
-        when given, replaces the provider..allow_fallback keywords."""
+        when given, replaces the provider..allow_fallback keywords. bundle_sha256: refuse the
+        bundle unless its manifest.json has this SHA-256 (EngineConfig.bundle_sha256)."""
         _check_queue_settings(max_queue, queue_timeout, stream_idle_timeout)  # before the (slow) load
         config = engine_config or EngineConfig(
             provider=provider, threads=threads, drafter=drafter, gamma=gamma,
             max_gamma=max(max_gamma, gamma or 0), allow_fallback=allow_fallback,
         )
+        if bundle_sha256 is not None:
+            config = dataclasses.replace(config, bundle_sha256=bundle_sha256)
         return cls(Engine(bundle, config), max_queue=max_queue, queue_timeout=queue_timeout, name=name,
                    stream_idle_timeout=stream_idle_timeout)
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from edge_spec.budget import plan_bundle
 from edge_spec.commit import commit, stop_prefix_len
-from edge_spec.manifest import BundleError
+from edge_spec.manifest import BundleError, check_sha256
 from edge_spec.sampling import SamplingConfig, SettingError, shown
 from runtime.drafters.base import Drafter, Remembers, parts
 from runtime.calibration import calibrate, calibrated
@@ -105,6 +105,9 @@ class EngineConfig:
     gamma_config: GammaConfig = GammaConfig()
     allow_fallback: bool = False
     check_hashes: bool = True
+    # The bundle digest (SHA-256 of manifest.json) its user trusts: any other bundle, or an edited
+    # manifest or chat template, is refused at load. None: the bundle is trusted as it is.
+    bundle_sha256: str | None = None
     calibrate: bool = True  # time target and draft passes at load, to seed the cost model
     memory_budget: int | None = None  # bytes: refuse, before loading, a plan (edge_spec.budget) that exceeds it
     profile_prefix: str | None = None  # ONNX Runtime profiling into files with this prefix (which provider ran each node)
@@ -134,6 +137,10 @@ class EngineConfig:
             raise ValueError(f"stream_idle_timeout must be > 0 seconds or None, got {self.stream_idle_timeout!r}")
         if self.suffix_cache_tokens < 1:
             raise ValueError(f"suffix_cache_tokens must be at least 1, got {self.suffix_cache_tokens}")
+        if self.bundle_sha256 is not None:
+            object.__setattr__(self, "bundle_sha256", check_sha256(self.bundle_sha256))
+            if not self.check_hashes:
+                raise ValueError("bundle_sha256 needs check_hashes=True: the digest covers the other files through their hashes")
 
     def gamma_for(self, cap: int | None = None) -> GammaConfig:
         """The γ config a generation runs with: gamma_config with this config's γ, both capped at

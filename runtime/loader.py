@@ -53,7 +53,7 @@ class Loader:
         check_drafter(config.drafter)
         self.config = config
         self.session_hook = session_hook
-        self.bundle = open_bundle(bundle_path, check_hashes=config.check_hashes)
+        self.bundle = open_bundle(bundle_path, check_hashes=config.check_hashes, expected_sha256=config.bundle_sha256)
         manifest = self.bundle.manifest
         if config.memory_budget is not None:
             plan_bundle(manifest, self.bundle.path, config.drafter, config.memory_budget, config.max_gamma).check()

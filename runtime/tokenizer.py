@@ -30,7 +30,7 @@ def _raise(message: str):
     raise ChatTemplateError(message)
 
 
-# A bundle's chat template is code from whoever made the bundle (manifest.json is not hashed).
+# A bundle's chat template is code from whoever made the bundle (hashed only through a pinned --bundle-sha256).
 # The sandbox stops attribute tricks; these stop it from exhausting memory or time on each request.
 RENDER_SECONDS = 5.0  # real templates render in milliseconds
 RENDER_BASE_CHARS = 1 << 20  # what a template may add around the messages' own text

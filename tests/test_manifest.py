@@ -279,3 +279,54 @@ def test_a_chat_template_past_its_limits_on_one_request_is_a_value_error(bundle)
         assert model.generate(messages=[{"role": "user", "content": "hi"}], max_tokens=2).prompt_ids
     finally:
         model.close()
+
+
+# -- the manifest covered by a pinned digest: bundle_sha256 / --bundle-sha256 ---------------------
+
+def test_a_pinned_digest_refuses_an_edited_manifest_that_otherwise_loads(bundle):
+    digest = mf.bundle_digest(bundle)
+    assert load_manifest(bundle, expected_sha256=digest.upper()).tokenizer.chat_template is not None
+    _edit(bundle, lambda d: d["tokenizer"].update(chat_template="{{ messages[0]['content'] }} (edited)"))
+    assert load_manifest(bundle).tokenizer.chat_template.endswith("(edited)")  # every consistency check passes
+    message = _raises(bundle, f"pinned bundle SHA-256 is {digest[:16]}", "manifest was edited", expected_sha256=digest)
+    assert "\n" not in message
+    assert mf.read_manifest(bundle, expected_sha256=mf.bundle_digest(bundle))[1] == mf.bundle_digest(bundle)
+
+
+@pytest.mark.parametrize("value", ["", "abc", "g" * 64, "a" * 65, 12])
+def test_a_malformed_digest_is_one_line(bundle, value):
+    with pytest.raises(ValueError, match="must be 64 hexadecimal digits"):
+        load_manifest(bundle, expected_sha256=value)
+
+
+def test_a_pinned_digest_needs_the_file_hashes(bundle):
+    from runtime.engine import EngineConfig
+
+    digest = mf.bundle_digest(bundle)
+    _raises(bundle, "needs the file hashes checked", check_hashes=False, expected_sha256=digest)
+    with pytest.raises(ValueError, match="needs check_hashes=True"):
+        EngineConfig(bundle_sha256=digest, check_hashes=False)
+    with pytest.raises(ValueError, match="64 hexadecimal digits"):
+        EngineConfig(bundle_sha256="sha256:" + digest)
+    assert EngineConfig(bundle_sha256=" " + digest.upper()).bundle_sha256 == digest
+
+
+def test_engine_model_and_command_line_refuse_another_bundle_before_loading(bundle, capsys):
+    from runtime.__main__ import main
+    from runtime.api import Model
+    from runtime.engine import Engine, EngineConfig
+
+    digest = mf.bundle_digest(bundle)
+    other = ("0" if digest[0] != "0" else "1") + digest[1:]
+    engine = Engine(bundle, EngineConfig(provider="cpu", drafter="none", calibrate=False, bundle_sha256=digest))
+    assert engine.bundle.digest == digest
+    with pytest.raises(BundleError, match="pinned bundle SHA-256"):
+        Engine(bundle, EngineConfig(provider="cpu", drafter="none", calibrate=False, bundle_sha256=other))
+    with pytest.raises(BundleError, match="pinned bundle SHA-256"):
+        Model.load(bundle, provider="cpu", drafter="none", bundle_sha256=other)
+    assert main(["generate", str(bundle), "--provider", "cpu", "--draft", "none", "--prompt", "hi", "--bundle-sha256", other]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and f"pinned bundle SHA-256 is {other[:16]}" in err
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", str(bundle), "--prompt", "hi", "--bundle-sha256", "nope"])
+    assert exited.value.code == 2 and "--bundle-sha256: the bundle SHA-256 must be 64 hexadecimal digits" in capsys.readouterr().err

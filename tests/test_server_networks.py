@@ -27,8 +27,9 @@ KEY = "sk-edge-spec-networks"
 
 
 def stub_model() -> SimpleNamespace:
-    """What the auth-only routes read of a Model."""
-    return SimpleNamespace(name="stub", max_context=64, busy=False, queue_depth=0, max_queue=4)
+    """What the auth-only routes and the body limits read of a Model."""
+    return SimpleNamespace(name="stub", max_context=64, vocab_size=400, busy=False, queue_depth=0, max_queue=4,
+                           engine=SimpleNamespace(tokenizer=SimpleNamespace(max_token_bytes=8)))
 
 
 def asgi_get(server: Server, path: str, client: str, key: str | None) -> tuple[int, dict]:

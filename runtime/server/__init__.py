@@ -12,18 +12,19 @@ waiting or mid-stream, cancels its generation and frees the engine.
 Built on starlette + uvicorn (h11); imports no torch/transformers. One module per concern:
 `config` (ServerConfig, Host/Origin rules, client networks), `security` (keys, wrong-key
 throttle, the Host/Origin guard and access log, connection counts), `body` (reading and
-decoding a body off the event loop), `schema` (fields and their checks), `metrics`,
+decoding a body off the event loop, its limits from the bundle), `schema` (fields and their checks), `metrics`,
 `streaming` (disconnect watching, server-sent events), `protocol` (the uvicorn h11 subclass),
 `app` (the routes), `run` (binding and serving).
 """
 
 from runtime.server.app import Server
-from runtime.server.config import MAX_BODY_BYTES, ServerConfig, client_network, is_loopback
+from runtime.server.body import BodyLimits
+from runtime.server.config import ServerConfig, client_network, is_loopback
 from runtime.server.errors import ApiError
 from runtime.server.metrics import Metrics
 from runtime.server.protocol import guarded_protocol
 from runtime.server.run import bind, check_bind, make_uvicorn, serve
 from runtime.server.security import check_api_keys, read_api_key_file
 
-__all__ = ["ApiError", "MAX_BODY_BYTES", "Metrics", "Server", "ServerConfig", "bind", "check_api_keys", "check_bind",
+__all__ = ["ApiError", "BodyLimits", "Metrics", "Server", "ServerConfig", "bind", "check_api_keys", "check_bind",
            "client_network", "guarded_protocol", "is_loopback", "make_uvicorn", "read_api_key_file", "serve"]

@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from runtime.api import Job, Model, ModelClosedError, QueueFullError, QueueTimeoutError
-from runtime.server.body import BodyReader
+from runtime.server.body import BodyLimits, BodyReader
 from runtime.server.config import ServerConfig
 from runtime.server.errors import ApiError, ClientGone
 from runtime.server.metrics import Metrics
@@ -38,10 +38,11 @@ class Server:
         if max_body_bytes is not None:
             self.config = dataclasses.replace(self.config, max_body_bytes=max_body_bytes)
         self.gate = KeyGate(([api_key] if api_key is not None else []) + list(api_keys), self.config)
-        self.max_body_bytes = self.config.max_body_bytes
+        self.limits = BodyLimits.of(model, self.config.max_body_bytes)
+        self.max_body_bytes = self.limits.body_bytes
         self.metrics = Metrics()
         self.created = int(time.time())
-        self.bodies = BodyReader(self.max_body_bytes, model)
+        self.bodies = BodyReader(self.limits)
         self.parser = RequestParser(model, self.model_id)
         self.stopping = False  # SIGTERM: no new generations
         self.aborting = False  # the shutdown deadline passed: running generations were cancelled

@@ -9,7 +9,6 @@ import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-MAX_BODY_BYTES = 1 << 20  # 1 MiB of JSON is far more than any prompt a bundle's context holds
 LOOPBACK = "loopback"  # every loopback address is one client: any local process may pick any of them
 
 
@@ -78,7 +77,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     allowed_hosts: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()
-    max_body_bytes: int = MAX_BODY_BYTES
+    max_body_bytes: int | None = None  # None: the most a request to the bundle can need (body.BodyLimits)
     header_timeout: float = 10.0  # seconds to send a request's line and headers
     body_timeout: float = 30.0  # seconds to send its body
     idle_timeout: float = 5.0  # seconds a keep-alive connection may sit idle between requests
@@ -102,6 +101,8 @@ class ServerConfig:
         for name in ("max_body_bytes", "max_connections", "max_connections_per_client", "auth_failures",
                      "auth_failures_global"):
             value = getattr(self, name)
+            if name == "max_body_bytes" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         for name, bits in (("client_prefix_v4", 32), ("client_prefix_v6", 128)):
