@@ -20,6 +20,8 @@ square 1.9e7, past float16's 6.5e4; BENCHMARKS.md).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -115,6 +117,8 @@ class StageModule(nn.Module):
         # Masked float32 graphs are the Core ML EP's, which takes no node input wider than its
         # limit (a kernel fact): the embedding and the LM head are written in slices within it.
         self.width = placement.input_dim_limit("coreml") if attention == "masked" and not fused_norm else None
+        # Its --quant fp16 graphs compute norms in float16 on the GPU/ANE: squares kept in range (_scaled_rms_norm).
+        self.scaled_norm = attention == "masked" and not fused_norm
         config = hf_model.config
         self.spec = spec = arch_for(config)
         inner = hf_model.model
@@ -191,8 +195,32 @@ class StageModule(nn.Module):
         weight, eps = self.norm_params(norm)
         if self.fused_norm:
             return _SimplifiedLayerNorm.apply(x, weight, eps)
+        if self.scaled_norm:
+            return self._scaled_rms_norm(x, weight, eps)
         variance = x.pow(2).mean(-1, keepdim=True)
         return weight * (x * torch.rsqrt(variance + eps))
+
+    @staticmethod
+    def _scaled_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """The RMS norm in a form whose every float16 step stays finite: --device coreml --quant
+        fp16 graphs are float16 throughout, the Core ML EP's MLProgram op list takes Pow in
+        float32 only, and its table (edge_spec/kernels/coreml.json) has no ReduceMax or Abs, so
+        only Mul, Div, Add, Sqrt and ReduceMean are used.
+
+        The norm is scale invariant, x / rms(x) = (x / s) / rms(x / s). A coarse pass on
+        x / bound (bound a power of two, an exact division, of at least 256 * sqrt(n)) keeps every
+        square and their sum under 65504 for any finite float16 x; s = bound * that rms + 1, the
+        1 standing in where the coarse squares underflow (small rows, which square safely as they
+        are). On x / s each square is at most about n and the mean about 1; eps enters as
+        (sqrt(eps) / s)^2, which underflows only where it is negligible beside that mean.
+        """
+        n = x.shape[-1]
+        bound = float(2 ** math.ceil(math.log2(256.0 * math.sqrt(n))))
+        coarse = x * (1.0 / bound)
+        scale = torch.sqrt((coarse * coarse).mean(-1, keepdim=True)) * bound + 1.0  # [..,1]
+        u = x / scale
+        floor = torch.tensor(math.sqrt(eps), dtype=scale.dtype) / scale  # a constant tensor numerator: Div, not Reciprocal (not in the table)
+        return weight * (u / torch.sqrt((u * u).mean(-1, keepdim=True) + floor * floor))
 
     def project(self, layer, x, norm=None):
         """q [1,T,H*D], k and v [1,T,KVH*D] before rotary, q/k normed per head where the family does."""

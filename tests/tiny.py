@@ -308,3 +308,19 @@ def coreml_graphs_without_slices():
         yield
     finally:
         placement.input_dim_limit = saved
+
+
+@contextlib.contextmanager
+def coreml_norms_squared_in_float16():
+    """--device coreml norms as they were before the scaled form: x * rsqrt(mean(x^2) + eps),
+    which a float16 graph squares in float16."""
+    import torch
+
+    from export.static_cache import StageModule
+
+    saved = StageModule.__dict__["_scaled_rms_norm"]
+    StageModule._scaled_rms_norm = staticmethod(lambda x, weight, eps: weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)))
+    try:
+        yield
+    finally:
+        StageModule._scaled_rms_norm = saved
