@@ -410,14 +410,19 @@ def _stage_weights(manifest: Manifest, bundle_dir: Path, key: str, quant: str, a
             "re-export with --format onnx to plan it"
         )
     size = sum((bundle_dir / name).stat().st_size for name in (stage.file, *stage.data_files))
-    matrix = arch.vocab_size * arch.hidden_size
-    embed = round(matrix * embed_bytes_per_weight(quant, block)) if stage.embed else 0
+    return split_stored(size, quant, arch.vocab_size, arch.hidden_size, head_rows, block, stage.embed, stage.head)
+
+
+def split_stored(size: int, quant: str, vocab_rows: int, hidden_size: int, head_rows: int | None = None, block: int = DEFAULT_QUANT_BLOCK,
+                 embed: bool = True, head: bool = True) -> StoredWeights:
+    """`size` stored bytes of a stage split as the planner holds them: the embedding and the head
+    by their formulas, the rest as the layers (and the graph itself)."""
+    embed_bytes = round(vocab_rows * hidden_size * embed_bytes_per_weight(quant, block)) if embed else 0
     # A trimmed draft head (ModelInfo.trimmed_head) stores only its kept rows.
-    head = round((head_rows or arch.vocab_size) * arch.hidden_size * matmul_bytes_per_weight(quant, block)) if stage.head else 0
-    # The rest of the files is the layers (and the graph itself).
-    embed = min(embed, size)
-    head = min(head, size - embed)
-    return StoredWeights(quant, size - embed - head, head, embed, block)
+    head_bytes = round((head_rows or vocab_rows) * hidden_size * matmul_bytes_per_weight(quant, block)) if head else 0
+    embed_bytes = min(embed_bytes, size)
+    head_bytes = min(head_bytes, size - embed_bytes)
+    return StoredWeights(quant, size - embed_bytes - head_bytes, head_bytes, embed_bytes, block)
 
 
 def plan_bundle(
@@ -470,11 +475,19 @@ class ModelFacts:
     intermediate_size: int
     vocab_size: int
     qkv_bias: bool = False
+    # A GGUF whose own blocks export keeps: at kept_quant, the target stores kept_bytes (its
+    # tensor table's kept forms, export.gguf_blocks.stored_gguf), kept_head_row per LM head row.
+    kept_quant: str | None = None
+    kept_bytes: int = 0
+    kept_head_row: int = 0
 
     def arch(self, max_context: int, vocab_rows: int, kv_dtype: str = "float32") -> ArchInfo:
         return ArchInfo(self.model_type, self.n_layers, self.n_heads, self.n_kv_heads, self.head_dim, self.hidden_size, vocab_rows, max_context, kv_dtype)
 
     def weights(self, quant: str, vocab_rows: int, block: int = DEFAULT_QUANT_BLOCK) -> StoredWeights:
+        if quant == self.kept_quant:
+            size = self.kept_bytes - (self.vocab_size - vocab_rows) * self.kept_head_row
+            return split_stored(size, quant, vocab_rows, self.hidden_size, block=block)
         return predict_weights(
             quant, self.n_layers, self.hidden_size, self.n_heads, self.n_kv_heads, self.head_dim,
             self.intermediate_size, self.vocab_size, vocab_rows, self.qkv_bias, block,

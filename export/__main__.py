@@ -29,6 +29,15 @@ def _default_out(model: str, quant: str, device: str = "cpu") -> Path:
     return Path("bundles") / f"{name}-{quant}{'' if device == 'cpu' else '-' + device}"
 
 
+def _types(text: str | None) -> tuple[str, ...] | None:
+    """--gguf-to-int8: None for the default, () for 'none', else the listed types."""
+    if text is None:
+        return None
+    if text.strip().lower() == "none":
+        return ()
+    return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m export",
@@ -64,9 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         help="re-quantize every weight of a .gguf (dequantized, then int4/int8 by ONNX Runtime's quantizer) instead of keeping its blocks",
     )
     parser.add_argument(
-        "--gguf-to-int8", default="", metavar="TYPES",
-        help="with --gguf-blocks: these GGUF types (comma-separated, e.g. Q6_K) rounded to int8 blocks of 64 instead of kept: "
-        "fewer bytes per pass (9 bits per weight read instead of 12 for Q6_K) for a small, measured loss of fidelity",
+        "--gguf-to-int8", default=None, metavar="TYPES",
+        help="with kept GGUF blocks: these GGUF types (comma-separated) rounded to int8 blocks of 64 instead of kept: fewer bytes "
+        "per pass (9 bits per weight read instead of 12 for Q6_K) for a small, measured loss of fidelity. Default Q6_K; "
+        "'none' keeps every block bit for bit",
     )
     parser.add_argument("--max-context", type=int, default=2048, help="KV buffer length in tokens (default 2048)")
     parser.add_argument(
@@ -133,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         config = ExportConfig(args.model, out, args.quant, args.max_context, drafts, args.force, formats=formats, attention=args.attention, device=args.device,
                               draft_vocab=args.draft_vocab, draft_vocab_from=sources, block_size=args.block_size,
                               draft_block_size=args.draft_block_size, zero_points=args.zero_points, gguf_blocks=args.gguf_blocks,
-                              gguf_to_int8=tuple(t.strip() for t in args.gguf_to_int8.split(",") if t.strip()))
+                              gguf_to_int8=_types(args.gguf_to_int8))
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -17,7 +17,7 @@ import numpy as np
 
 from edge_spec import manifest as mf
 from edge_spec import names
-from edge_spec.budget import ExportChoice, ModelFacts, choose_export, predict_weights
+from edge_spec.budget import ExportChoice, ModelFacts, choose_export, matmul_bytes_per_weight, predict_weights
 from edge_spec.catalog import CATALOG
 from edge_spec.placement import check_bundle
 from edge_spec.profiles import PROFILES, DeviceProfile
@@ -55,7 +55,9 @@ class ExportConfig:
     # The target's weights as its GGUF's own blocks where exact (export.gguf_blocks); None: so
     # whenever the target is read from a GGUF and the recipe allows it (keeps_gguf_blocks).
     gguf_blocks: bool | None = None
-    gguf_to_int8: tuple[str, ...] = ()  # GGUF types rounded to int8 blocks of 64 instead of kept (gguf_blocks.to_int8)
+    # GGUF types rounded to int8 blocks of 64 instead of kept (gguf_blocks.to_int8); None: DEFAULT_GGUF_TO_INT8
+    # wherever blocks may be kept, () where none are.
+    gguf_to_int8: tuple[str, ...] | None = None
 
     def __post_init__(self):
         if self.trace_layers is not None and (isinstance(self.trace_layers, bool) or not isinstance(self.trace_layers, int) or self.trace_layers <= 0):
@@ -88,7 +90,10 @@ class ExportConfig:
         if self.gguf_blocks and not self.gguf_blocks_possible:
             raise ExportError(f"--gguf-blocks keeps a GGUF's blocks in int4/int8 ONNX graphs with float32 scales (--device cpu), without --zero-points; "
                               f"not --quant {self.quant} --device {self.device}{' --zero-points' if self.zero_points else ''}")
-        if self.gguf_to_int8:
+        if self.gguf_to_int8 is None:
+            keeps = self.gguf_blocks if self.gguf_blocks is not None else self.quant == "int4" and self.gguf_blocks_possible
+            object.__setattr__(self, "gguf_to_int8", DEFAULT_GGUF_TO_INT8 if keeps else ())
+        elif self.gguf_to_int8:
             from export.gguf_blocks import FORMS
 
             if self.gguf_blocks is False or (self.gguf_blocks is None and not self.gguf_blocks_possible):
@@ -132,19 +137,31 @@ class ExportConfig:
         return self.block_size if self.draft_block_size is None else self.draft_block_size
 
 
+# Q6_K (a quarter of Qwen2.5's Q4_K_M weights: its LM head, half of attn_v and ffn_down) read at
+# 9 bits per weight instead of 12, still closer to the checkpoint than llama.cpp (BENCHMARKS.md).
+DEFAULT_GGUF_TO_INT8 = ("Q6_K",)
+
+
 def default_drafts(model: str) -> tuple[str, ...]:
     entry = CATALOG.get(model)
     return (entry.default_draft,) if entry and entry.default_draft else ()
 
 
-def model_facts(spec: str) -> ModelFacts:
-    """A model's shape from its config alone (no weights), to plan memory before exporting."""
-    _, config = load_config(spec)
+def model_facts(spec: str, export: ExportConfig | None = None) -> ModelFacts:
+    """A model's shape from its config alone (no weights), to plan memory before exporting; with
+    `export`, a GGUF whose blocks it keeps is planned at the bytes of its own tensor types."""
+    source, config = load_config(spec)
+    kept = {}
+    if export is not None and source.gguf_file and export.keeps_gguf_blocks(from_gguf=True):
+        from export.gguf_blocks import stored_gguf
+
+        stored = stored_gguf(str(Path(source.path) / source.gguf_file), export.gguf_to_int8, matmul_bytes_per_weight(export.quant, export.block_size))
+        kept = {"kept_quant": export.quant, "kept_bytes": stored.total, "kept_head_row": stored.head_row}
     heads = config.num_attention_heads
     return ModelFacts(
         config.model_type, config.num_hidden_layers, config.hidden_size, heads, config.num_key_value_heads,
         getattr(config, "head_dim", None) or config.hidden_size // heads, config.intermediate_size, config.vocab_size,
-        qkv_bias=bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2",
+        qkv_bias=bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2", **kept,
     )
 
 
@@ -162,7 +179,7 @@ def choose_for_budget(config: ExportConfig, budget: int) -> ExportChoice:
     """The export (context, drafts, precision) that fits `budget`, by edge_spec.budget's order."""
     if "onnx" not in config.formats:
         raise ExportError("--memory-budget plans ONNX Runtime's memory: add onnx to --format")
-    facts = {spec: model_facts(spec) for spec in (config.model, *config.drafts) if not spec.startswith(LAYER_SKIP_PREFIX)}
+    facts = {spec: model_facts(spec, config if spec == config.model else None) for spec in (config.model, *config.drafts) if not spec.startswith(LAYER_SKIP_PREFIX)}
     return choose_export(facts[config.model], config.quant, config.max_context, config.drafts, facts, budget, str(config.out), config.attention, config.device,
                          config.draft_vocab, config.block_size, config.draft_block)
 

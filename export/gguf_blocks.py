@@ -162,3 +162,53 @@ def kernel_bits(type_name: str) -> float:
     """matmul_kernel_bits of a GGUF type's kept form."""
     _, bits, block, _, minimum, _ = FORMS[type_name]
     return matmul_kernel_bits(bits, block, minimum)
+
+
+def kept_bytes(type_name: str, n: int, k: int, to_int8: tuple[str, ...] = ()) -> int | None:
+    """Bytes export writes for an [N, K] tensor of `type_name` kept as its blocks (quantize's
+    _blocks_tensors and the minimum matrix), the same for MatMulNBits and GatherBlockQuantized;
+    None for a type with no block form (it is re-quantized)."""
+    if type_name in to_int8:
+        bits, block, zero, minimum = 8, RECODE_BLOCK, 128, False
+    elif type_name in FORMS:
+        _, bits, block, zero, minimum, _ = FORMS[type_name]
+    else:
+        return None
+    blocks = k // block
+    size = n * k * bits // 8 + n * blocks * 4
+    if zero != 2 ** (bits - 1):
+        size += n * (-(-blocks // 2) if bits == 4 else blocks)
+    if minimum:
+        size += n * (k // MINIMUM_BLOCK) * 4
+    return size
+
+
+@dataclass(frozen=True)
+class StoredGGUF:
+    """What a bundle keeping a GGUF's own blocks stores for its target, read from the file's
+    tensor table alone (no weights): the export memory plan's stored bytes."""
+
+    total: int  # every weight: the kept blocks, re-quantized matrices, float vectors
+    head_row: int  # bytes of one LM head row (the head is trimmed to fewer rows by row)
+
+
+def stored_gguf(path: str, to_int8: tuple[str, ...] = (), requantized_bytes_per_weight: float = 0.625) -> StoredGGUF:
+    """StoredGGUF of `path`: matrices by kept_bytes (a type without a form at
+    requantized_bytes_per_weight), vectors as float32, the LM head its own copy of the
+    embedding's blocks when the file ties them."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: (t.tensor_type.name, [int(d) for d in t.shape]) for t in GGUFReader(path).tensors}
+
+    def matrix(type_name: str, shape: list[int]) -> int:
+        k, n = shape[0], shape[1]
+        kept = kept_bytes(type_name, n, k, to_int8)
+        return kept if kept is not None else round(n * k * requantized_bytes_per_weight)
+
+    total = 0
+    for type_name, shape in tensors.values():
+        total += matrix(type_name, shape) if len(shape) == 2 else 4 * int(np.prod(shape))
+    head_type, head_shape = tensors.get("output.weight", tensors["token_embd.weight"])
+    if "output.weight" not in tensors:
+        total += matrix(head_type, head_shape)
+    return StoredGGUF(total, matrix(head_type, [head_shape[0], 1]))

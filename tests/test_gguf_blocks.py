@@ -146,7 +146,12 @@ def test_gguf_blocks_refuses_what_it_cannot_keep():
     for kwargs in ({"gguf_blocks": False}, {"zero_points": True}, {"device": "cuda"}):
         with pytest.raises(ExportError, match="keeps none"):
             ExportConfig("m.gguf", ROOT / "x", gguf_to_int8=("Q6_K",), **kwargs)
-    assert ExportConfig("m.gguf", ROOT / "x", gguf_to_int8=("Q6_K",)).gguf_to_int8 == ("Q6_K",)  # the default keeps them
+    assert ExportConfig("m.gguf", ROOT / "x", gguf_to_int8=("Q5_0",)).gguf_to_int8 == ("Q5_0",)
+    # By default Q6_K is rounded to int8 wherever blocks are kept, and nothing where none are.
+    assert ExportConfig("m.gguf", ROOT / "x").gguf_to_int8 == ("Q6_K",)
+    assert ExportConfig("m.gguf", ROOT / "x", gguf_to_int8=()).gguf_to_int8 == ()
+    for kwargs in ({"gguf_blocks": False}, {"quant": "int8"}, {"device": "cuda"}):
+        assert ExportConfig("m.gguf", ROOT / "x", **kwargs).gguf_to_int8 == (), kwargs
     with pytest.raises(ExportError, match="Q7_K"):
         ExportConfig("m.gguf", ROOT / "x", gguf_blocks=True, gguf_to_int8=("Q6_K", "Q7_K"))
     run = subprocess.run([sys.executable, "-m", "export", "smollm2-135m", "--gguf-blocks", "--quant", "fp32", "--out", str(ROOT / "never")],

@@ -117,3 +117,25 @@ def test_too_small_budget_is_refused_quickly(pair, tmp_path):
     # Refused before loading: hashing the files is all it did, and no weights became resident.
     assert seconds < 60, seconds
     assert peak < 300 * 2**20, format_size(peak)
+
+
+@pytest.mark.parametrize("name,spec,files", [("qwen-pair-int4", "qwen2.5-coder-1.5b", (real.QWEN_TARGET, real.QWEN_DRAFT)),
+                                             ("smollm2-pair-int4-d128", "smollm2-135m", (real.SMOLLM2,))])
+def test_export_plan_of_kept_gguf_blocks_matches_the_written_target(name, spec, files):
+    """export --memory-budget plans a GGUF whose blocks it keeps at the bytes of its own tensor types
+    (Q6_K at 8 bits per 16, the float minimum per 32), read from the file's tensor table: within 2%
+    of the target the export wrote, where the re-quantized formula is far off."""
+    from export.bundle import ExportConfig, model_facts
+
+    real.need(*files)
+    bundle = real.bundle(name)
+    manifest = load_manifest(bundle, check_hashes=False)
+    assert manifest.target.gguf_blocks, "the default int4 export of a GGUF keeps its blocks"
+    stages = [manifest.stages[key] for key in manifest.target.stages]
+    written = sum((bundle / f).stat().st_size for stage in stages for f in (stage.file, *stage.data_files))
+    vocab = manifest.target.arch.vocab_size
+    kept = model_facts(spec, ExportConfig(spec, bundle)).weights("int4", vocab).stored
+    formula = model_facts(spec).weights("int4", vocab).stored
+    report = f"written {format_size(written)}, planned {format_size(kept)} (re-quantized formula {format_size(formula)})"
+    assert abs(kept / written - 1) < 0.02, report
+    assert abs(formula / written - 1) > 0.1, report
