@@ -116,6 +116,42 @@ def test_smollm2_fp32_matches_transformers():
     _parity(real.bundle("smollm2-fp32"), real.SMOLLM2, 32)
 
 
+def test_smollm2_residuals_stay_finite_in_the_coreml_float16_norm():
+    """SmolLM2's own residuals (one short prompt, every norm's input captured from transformers)
+    through its norms as traced for --device coreml --quant fp16, evaluated in float16
+    arithmetic: the Pow form overflows, today's scaled form stays finite and matches the
+    float32 norm. Next to the other SmolLM2 tests: the dequantized model is loaded once."""
+    from export.static_cache import StageModule
+    import tiny
+    from tests.test_coreml_norms import F16_MAX, _f16, _norm_graph, assert_matches_float32_norm, evaluate_float16
+
+    real.need(real.SMOLLM2)
+    torch, model, tokenizer = _hf(real.SMOLLM2)
+    captured = []
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    hooks = [m.register_forward_pre_hook(lambda m, args: captured.append((m, args[0].detach()))) for m in norms]
+    try:
+        with torch.no_grad():
+            model(**tokenizer("The three primary colors are", return_tensors="pt"))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    hidden, eps = model.config.hidden_size, model.config.rms_norm_eps
+    assert max(float(x.abs().max()) for _, x in captured) > F16_MAX**0.5  # squares past float16's range (BENCHMARKS.md: about 25k)
+    with tiny.coreml_norms_squared_in_float16():
+        old = _norm_graph(StageModule._scaled_rms_norm, hidden, eps, torch)
+    new = _norm_graph(StageModule._scaled_rms_norm, hidden, eps, torch)
+    old_finite = []
+    for norm, x in captured:
+        x, weight = _f16(x.numpy()), _f16(norm.weight.detach().numpy())
+        old_finite.append(evaluate_float16(old.node, {}, {"x": x, "w": weight})[1])
+        for accumulate, rtol in (("exact", 4e-3), ("float16", 1e-2)):
+            values, finite = evaluate_float16(new.node, {}, {"x": x, "w": weight}, accumulate)
+            assert finite
+            assert_matches_float32_norm(values["y"], x, weight, eps, rtol)
+    assert not all(old_finite)
+
+
 GEMMA_PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    ",
