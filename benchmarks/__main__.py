@@ -11,7 +11,7 @@ python -m benchmarks greedy_stability BUNDLE... [--prompts SPEC] [--tokens N] [-
 python -m benchmarks block_stable_cost BUNDLE [--prompts SPEC] [--tokens N] [--drafters none,auto] [--out FILE.json]
 python -m benchmarks gpu_check --out DIR [--bundle DIR] [--reference DIR] ... (benchmarks/gpu_check.py)
 python -m benchmarks gpu_kit --out DIR (--download | --wheel FILE | --no-wheels) [--bundle DIR] ... (benchmarks/gpu_kit.py)
-python -m benchmarks load_run BUNDLE [--waves 3] [--clients 32] [--slow 10] [--oversized 4] [--out FILE.json]
+python -m benchmarks load_run BUNDLE [--waves 3] [--clients 32] [--slow 10] [--oversized 4] [--disconnect 0] [--wrong-keys-from 0] [--out FILE.json]
 python -m benchmarks summary DIR... (summary.json from each DIR/results.json of `python -m benchmarks bench`)"""
 
 from __future__ import annotations

@@ -320,6 +320,8 @@ def test_engine_model_and_command_line_refuse_another_bundle_before_loading(bund
     other = ("0" if digest[0] != "0" else "1") + digest[1:]
     engine = Engine(bundle, EngineConfig(provider="cpu", drafter="none", calibrate=False, bundle_sha256=digest))
     assert engine.bundle.digest == digest
+    main(["check", str(bundle), "--provider", "cpu", "--json"])  # where a user reads the digest to pin
+    assert json.loads(capsys.readouterr().out)["bundle_sha256"] == digest
     with pytest.raises(BundleError, match="pinned bundle SHA-256"):
         Engine(bundle, EngineConfig(provider="cpu", drafter="none", calibrate=False, bundle_sha256=other))
     with pytest.raises(BundleError, match="pinned bundle SHA-256"):

@@ -540,15 +540,21 @@ def test_load_run_script_reports_a_small_run(llama_bundle, tmp_path):
     """The load-run benchmark end to end at a tiny scale (the full run is for a quiet machine)."""
     out = tmp_path / "load.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "load_run", str(llama_bundle), "--waves", "2", "--clients", "4",
-                           "--slow", "2", "--oversized", "1", "--max-tokens", "4", "--header-timeout", "1", "--body-timeout", "1",
-                           "--slow-limit", "8", "--threads", "1", "--draft", "none", "--out", str(out)],
+                           "--slow", "2", "--oversized", "4", "--disconnect", "1", "--wrong-keys-from", "3", "--max-tokens", "4",
+                           "--header-timeout", "1", "--body-timeout", "1", "--slow-limit", "8", "--threads", "1", "--draft", "none",
+                           "--out", str(out)],
                           cwd=ROOT, env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
     s = report["summary"]
     assert s["server_errors_5xx"] == 0 and s["all_identical_to_solo"] and s["slow_clients_all_closed"]
-    assert [w["oversized_status"] for w in report["waves"]] == [[413], [413]]  # over the body size the bundle needs
+    for wave in report["waves"]:  # ~1 MiB of each kind is over the body size the bundle needs
+        assert sorted((o["kind"], o["status"]) for o in wave["oversized"]) == [
+            ("logit_bias", 413), ("stop_list", 413), ("text", 413), ("token_ids", 413)], wave["oversized"]
+        assert wave["disconnected"] == 1 and wave["disconnects_cancelled"] is not None
+    keys = report["wrong_keys"]
+    assert s["every_wrong_key_address_throttled"] and keys["addresses_throttled"] == 3 and keys["status"]["401"] == 10, keys
     assert all(w["health"]["polls"] > 0 and w["server_rss_mb"] > 0 for w in report["waves"])
 
 
