@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from edge_spec.drafters import ROLE_DRAFTERS
+
 BLOCKS = tuple(range(2, 10))
 
 
@@ -89,7 +91,7 @@ def run(bundles: list[str], prompts_spec: str, n_tokens: int, modes: tuple[str, 
         prompts = [engine.encode(messages=list(p.messages)) if p.messages else engine.encode(prompt=p.prompt) for p in load_prompts(prompts_spec)]
         per_prompt = [block_deltas(engine, ids, 32) for ids in prompts[:delta_prompts]]
         models = engine.bundle.manifest.models
-        drafters = ["lookup"] + [d for d, role in (("model", "draft"), ("layer-skip", "layer_skip")) if role in models]
+        drafters = ["lookup"] + [d for role, d in ROLE_DRAFTERS.items() if role in models]
         row = {
             "quant": engine.bundle.manifest.target.quant,
             "device": engine.bundle.manifest.device,

@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from edge_spec.drafters import drafter_spec
 from edge_spec.manifest import DEFAULT_QUANT_BLOCK, ArchInfo, BundleError, Manifest
 from edge_spec.profiles import PROFILES
 
@@ -37,8 +38,6 @@ DEFAULT_MAX_GAMMA = 8  # EngineConfig.max_gamma: verify passes take γ+1 tokens,
 _BITS = {"int4": 4, "int8": 8}
 _FLOAT_BYTES = {"fp16": 2, "fp32": 4}
 KV_ITEM_BYTES = {"float32": 4, "float16": 2}
-DRAFTER_ROLES = {"none": None, "lookup": None, "suffix": None, "model": "draft", "layer-skip": "layer_skip"}
-DEFAULT_DRAFT_DRAFTERS = ("auto", "auto+suffix")  # copy, else the bundle's default draft
 
 # fp32 MatMul weights are packed by MLAS into column panels and the original released (BENCHMARKS.md).
 _FP32_PACKING = 1.02
@@ -393,9 +392,7 @@ def plan_roles(
 
 def drafter_roles(manifest: Manifest, drafter: str) -> tuple[str, ...]:
     """The roles a drafter loads: the target, and the draft role the drafter runs, if any."""
-    if drafter not in DRAFTER_ROLES and drafter not in DEFAULT_DRAFT_DRAFTERS:
-        raise ValueError(f"unknown drafter {drafter!r} (choose from {', '.join((*DEFAULT_DRAFT_DRAFTERS, *DRAFTER_ROLES))})")
-    role = manifest.default_draft if drafter in DEFAULT_DRAFT_DRAFTERS else DRAFTER_ROLES[drafter]
+    role = drafter_spec(drafter).draft_role(manifest.default_draft)
     if role is not None and role not in manifest.models:
         raise BundleError(f"the bundle has no {role!r} model (it has: {', '.join(manifest.models)}); re-export with the draft you want")
     return ("target",) if role is None else ("target", role)

@@ -8,7 +8,7 @@ import json
 import math
 import sys
 
-from runtime.engine import DRAFTERS
+from edge_spec.drafters import DRAFTERS, TABLE, drafter_help
 from runtime.gamma import MAX_GAMMA
 from runtime.sessions import COREML_COMPUTE_UNITS
 
@@ -129,10 +129,9 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--coreml-compute-units", default="ALL", choices=COREML_COMPUTE_UNITS, help="where Core ML may run (default ALL)")
     parser.add_argument("--coreml-static-shapes", action="store_true", help="Core ML EP takes only nodes with static input shapes")
     parser.add_argument("--threads", type=_integer(0, 1024), default=0, help="intra-op threads (0: ONNX Runtime's default)")
-    parser.add_argument("--draft", default="auto", choices=DRAFTERS,
-                        help="auto: copy from this text, else the draft model; suffix / auto+suffix: copy from earlier requests too")
+    parser.add_argument("--draft", default="auto", choices=DRAFTERS, help=drafter_help())
     parser.add_argument("--suffix-cache-tokens", type=_integer(1), default=1 << 16,
-                        help="--draft suffix / auto+suffix: tokens of earlier requests kept to copy from (default 65536)")
+                        help=f"--draft {' / '.join(s.name for s in TABLE if s.remembers)}: tokens of earlier requests kept to copy from (default 65536)")
     parser.add_argument("--gamma", type=_gamma, default="auto", help=f"draft length: auto (adaptive) or 1..{MAX_GAMMA}")
     parser.add_argument("--max-gamma", type=_integer(1, MAX_GAMMA), default=8, help=f"longest draft for auto (1..{MAX_GAMMA}, default 8)")
     parser.add_argument("--block-stable", action="store_true",

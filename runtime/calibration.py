@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from edge_spec.sampling import SamplingConfig
-from runtime.drafters.base import CatchesUp, CostsPasses, Drafter, parts
+from runtime.drafters.base import Drafter, parts
 from runtime.gamma import CostModel
 from runtime.model import ModelRunner
 
@@ -17,7 +17,7 @@ def calibrated(costs: CostModel, drafter: Drafter | None) -> bool:
     """The cost model has target passes and a draft step for every part that costs passes."""
     if drafter is None:
         return True
-    return bool(costs.target) and all(p.name in costs.draft_step for p in parts(drafter) if isinstance(p, CostsPasses))
+    return bool(costs.target) and all(p.name in costs.draft_step for p in parts(drafter) if p.costs_passes)
 
 
 def calibrate(target: ModelRunner, drafter: Drafter, costs: CostModel, token: int, max_gamma: int, repeats: int = 2) -> None:
@@ -33,7 +33,7 @@ def calibrate(target: ModelRunner, drafter: Drafter, costs: CostModel, token: in
             if repeat:
                 costs.record_target(block, time.perf_counter() - began)
         for part in parts(drafter):
-            if isinstance(part, CostsPasses):
+            if part.costs_passes:
                 target.cache.reset()
                 part.reset(tokens[:1])  # a draft model prefills here, outside the timing
                 target.forward(tokens[:1])
@@ -42,7 +42,7 @@ def calibrate(target: ModelRunner, drafter: Drafter, costs: CostModel, token: in
                 part.propose(tokens[:2], steps, SamplingConfig(), np.random.default_rng(0))
                 if repeat:
                     costs.record_draft(part.name, steps, time.perf_counter() - began)
-                if repeat and isinstance(part, CatchesUp):  # replay: a draft model that sat out γmax+1 committed tokens feeds them first
+                if repeat and part.catches_up:  # replay: a draft model that sat out γmax+1 committed tokens feeds them first
                     part.reset(tokens[:1])
                     if part.replay_tokens(tokens):
                         proposal = part.propose(tokens, 1, SamplingConfig(), np.random.default_rng(0))

@@ -18,13 +18,14 @@ import numpy as np
 
 from edge_spec.budget import plan_bundle
 from edge_spec.commit import commit, stop_prefix_len
+from edge_spec.drafters import available_drafters, drafter_spec
 from edge_spec.manifest import BundleError, check_sha256
 from edge_spec.sampling import SamplingConfig, SettingError, shown
-from runtime.drafters.base import Drafter, Remembers, parts
+from runtime.drafters.base import Drafter, parts
 from runtime.calibration import calibrate, calibrated
 from runtime.gamma import MAX_GAMMA, CostModel, GammaConfig
 from runtime.kv_cache import KVCache
-from runtime.loader import DRAFTERS, Loader
+from runtime.loader import Loader
 from runtime.loop import Step, decode_steps
 from runtime.model import ModelRunner
 from runtime.policy import RoundPolicy
@@ -274,8 +275,7 @@ class Engine:
 
     def use_drafter(self, kind: str, gamma: int | None = None) -> None:
         """Switch drafter (and γ policy) without reloading: sessions and buffers are reused."""
-        if kind not in DRAFTERS:
-            raise ValueError(f"unknown drafter {kind!r} (choose from {', '.join(DRAFTERS)})")
+        drafter_spec(kind)  # an unknown name fails before the Engine is waited for
         with self._held():
             self.config = dataclasses.replace(self.config, drafter=kind, gamma=gamma)
             if kind not in self._drafters:
@@ -285,10 +285,8 @@ class Engine:
                 self.calibrate()
 
     def available_drafters(self) -> tuple[str, ...]:
-        """The drafters a request may choose on this bundle: model and layer-skip need their roles."""
-        models = self.bundle.manifest.models
-        needs = {"model": "draft", "layer-skip": "layer_skip"}
-        return tuple(kind for kind in DRAFTERS if needs.get(kind, "target") in models)
+        """The drafters a request may choose on this bundle: those whose role it has (edge_spec/drafters.py)."""
+        return available_drafters(self.bundle.manifest.models)
 
     def check_speculation(self, speculation: Speculation | None) -> None:
         """SettingError unless this bundle has the drafter and the γ cap is within the Engine's max_gamma
@@ -331,8 +329,7 @@ class Engine:
         with self._held():
             for drafter in self._drafters.values():
                 for part in parts(drafter):
-                    if isinstance(part, Remembers):
-                        part.forget()
+                    part.forget()
 
     def calibrate(self, repeats: int = 2) -> None:
         """Seed the cost model with this device's pass times (runtime/calibration.py)."""

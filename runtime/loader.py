@@ -12,16 +12,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from edge_spec.budget import plan_bundle
+from edge_spec.drafters import DrafterSpec, drafter_spec
 from edge_spec.manifest import BundleError, check_declared_io, load_head_tokens
 from edge_spec.placement import check_bundle
 from edge_spec.profiles import load_verdict
 from runtime.bundle import open_bundle
+from runtime.drafters import BUILDERS, ROLE_BUILDERS, Build
 from runtime.drafters.base import Drafter
-from runtime.drafters.draft_model import DraftModelDrafter
-from runtime.drafters.layer_skip import LayerSkipDrafter
-from runtime.drafters.mixed import MixedDrafter
-from runtime.drafters.prompt_lookup import PromptLookupDrafter
-from runtime.drafters.suffix import SuffixDrafter, SuffixIndex, SuffixSettings
 from runtime.kv_cache import KVCache
 from runtime.model import ModelRunner
 from runtime.sessions import NO_CPU_FALLBACK, ProviderChoice, SessionConfig, kv_device, open_session, ort, resolve_provider
@@ -29,15 +26,6 @@ from runtime.tokenizer import BundleTokenizer
 
 if TYPE_CHECKING:
     from runtime.engine import EngineConfig
-
-# suffix: lookup over this sequence and earlier ones (a bounded index the drafter keeps across
-# requests); auto+suffix: auto, plus copies from earlier requests where they match longer.
-DRAFTERS = ("auto", "model", "layer-skip", "lookup", "suffix", "auto+suffix", "none")
-
-
-def check_drafter(kind: str) -> None:
-    if kind not in DRAFTERS:
-        raise ValueError(f"unknown drafter {kind!r} (choose from {', '.join(DRAFTERS)})")
 
 
 class Loader:
@@ -50,7 +38,7 @@ class Loader:
         Runtime InferenceSession or a Core ML stand-in); what it returns runs in its place and
         must answer everything the session does (run, run_with_iobinding, io_binding,
         get_inputs, ...), typically by forwarding to it."""
-        check_drafter(config.drafter)
+        drafter_spec(config.drafter)  # an unknown name fails before the bundle is opened
         self.config = config
         self.session_hook = session_hook
         self.bundle = open_bundle(bundle_path, check_hashes=config.check_hashes, expected_sha256=config.bundle_sha256)
@@ -157,29 +145,15 @@ class Loader:
         return ModelRunner(role, info, stages, [self.sessions[key] for key in info.stages], self.caches[owner], min_rows, head_tokens)
 
     def drafter(self, kind: str, runner: Callable[..., ModelRunner] | None = None) -> Drafter | None:
-        """The drafter `kind` names; runner(role, group=...) builds the runners its models need
-        (default: this loader's)."""
-        check_drafter(kind)
-        if kind == "none":
-            return None
-        if kind == "lookup":
-            return PromptLookupDrafter()
-        if kind == "suffix":
-            return SuffixDrafter(SuffixIndex(SuffixSettings(max_tokens=self.config.suffix_cache_tokens)))
-        if kind == "auto":
-            return MixedDrafter([PromptLookupDrafter()], self._model_drafter("auto", runner or self.runner))
-        if kind == "auto+suffix":
-            earlier = SuffixDrafter(SuffixIndex(SuffixSettings(max_tokens=self.config.suffix_cache_tokens)), own_text=False)
-            return MixedDrafter([PromptLookupDrafter(), earlier], self._model_drafter("auto", runner or self.runner), kind)
-        return self._model_drafter(kind, runner or self.runner)
+        """The drafter `kind` names (edge_spec/drafters.py), built by its BUILDERS entry;
+        runner(role, group=...) builds the runners its models need (default: this loader's)."""
+        spec = drafter_spec(kind)
+        return BUILDERS[kind](Build(lambda: self._model_drafter(spec, runner or self.runner), self.config.suffix_cache_tokens))
 
-    def _model_drafter(self, kind: str, runner: Callable[..., ModelRunner]) -> Drafter | None:
-        models = self.bundle.manifest.models
-        role = {"model": "draft", "layer-skip": "layer_skip"}.get(kind) or self.bundle.manifest.default_draft
+    def _model_drafter(self, spec: DrafterSpec, runner: Callable[..., ModelRunner]) -> Drafter | None:
+        role = spec.draft_role(self.bundle.manifest.default_draft)
         if role is None:
             return None
-        if role not in models:
-            self.bundle.require_role(role)
-        if role == "layer_skip":
-            return LayerSkipDrafter(runner("layer_skip"))
-        return DraftModelDrafter(runner(role, group="draft"))
+        self.bundle.require_role(role)
+        return ROLE_BUILDERS[role](runner)
+

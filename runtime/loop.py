@@ -16,7 +16,7 @@ import numpy as np
 
 from edge_spec.sampling import SamplingConfig, process_logits
 from edge_spec.verify import verify_deterministic, verify_greedy, verify_stochastic
-from runtime.drafters.base import Drafter, Proposal, TrunkProposal, use_clock
+from runtime.drafters.base import Drafter, Proposal, use_clock
 from runtime.model import ModelRunner
 from runtime.policy import Round, RoundPolicy
 
@@ -72,7 +72,7 @@ def decode_steps(
         proposal = active.propose(tokens, gamma, sampling, rng) if gamma > 0 else None
         drafted_at = clock()
         block = tokens[-1:] if proposal is None else np.concatenate([tokens[-1:], proposal.tokens])
-        trunk_hidden = proposal.trunk_hidden if isinstance(proposal, TrunkProposal) else None
+        trunk_hidden = None if proposal is None else proposal.trunk_hidden
         logits = target.forward(block, trunk_hidden=trunk_hidden)  # [γ+1,V]
         verified_at = clock()
         n_accepted, next_token = verify(logits, proposal, sampling, rng)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from edge_spec.verify import expected_tokens_per_pass
-from runtime.drafters.base import CatchesUp, CatchUpProposal, CostsPasses, Drafter, Proposal, Selects, parts
+from runtime.drafters.base import Drafter, Proposal, parts
 from runtime.gamma import CostModel, GammaConfig
 
 
@@ -45,10 +45,9 @@ class Round:
     def of(cls, drafter: Drafter | None, gamma: int, proposal: Proposal | None, n_accepted: int, n_committed: int,
            began: float, drafted_at: float, verified_at: float) -> "Round":
         n_drafted = 0 if proposal is None else len(proposal.tokens)
-        caught_up = proposal if isinstance(proposal, CatchUpProposal) else None
         return cls(drafter.name if n_drafted else None, gamma, n_drafted, n_accepted, n_committed,
                    drafted_at - began, verified_at - drafted_at, verified_at - began,
-                   caught_up.catch_up_tokens if caught_up else 0, caught_up.catch_up_seconds if caught_up else 0.0)
+                   proposal.catch_up_tokens if proposal is not None else 0, proposal.catch_up_seconds if proposal is not None else 0.0)
 
 
 @dataclass(frozen=True)
@@ -317,7 +316,7 @@ class RoundPolicy:
         """A new sequence of up to horizon_tokens, drafted by `drafter` (None: plain decoding)."""
         self.drafter = drafter
         self.parts = {}
-        self._priced = {part.name for part in parts(drafter) if isinstance(part, CostsPasses)}
+        self._priced = {part.name for part in parts(drafter) if part.costs_passes}
         for part in parts(drafter):
             key = (drafter.name, part.name, config)
             if key not in self._learned:
@@ -334,15 +333,15 @@ class RoundPolicy:
         is doing better."""
         if self.drafter is None:
             return Plan()
-        options = self.drafter.candidates(tokens) if isinstance(self.drafter, Selects) else [self.drafter]
+        options = self.drafter.candidates(tokens)
         evidence = {p.name: p.evidence(tokens) for p in options}
         part = max(options, key=lambda p: self.parts[p.name].best_gain(*self._costs_of(p, tokens), evidence[p.name]))
         return replace(self.parts[part.name].choose(*self._costs_of(part, tokens), evidence[part.name]), drafter=part)
 
     def _costs_of(self, part: Drafter, tokens) -> tuple[float, float]:
         """Seconds of one draft step of `part` and of its replay before it can draft after `tokens`."""
-        step_cost = self.costs.draft_step.get(part.name, 0.0) if isinstance(part, CostsPasses) else 0.0
-        replay = self.costs.replay_cost(part.name, part.replay_tokens(tokens)) if isinstance(part, CatchesUp) else 0.0
+        step_cost = self.costs.draft_step.get(part.name, 0.0) if part.costs_passes else 0.0
+        replay = self.costs.replay_cost(part.name, part.replay_tokens(tokens)) if part.catches_up else 0.0
         return step_cost, replay
 
     def observe(self, plan: Plan, done: Round) -> None:

@@ -26,12 +26,11 @@ from benchmarks.bench.prompts import BenchPrompt, PromptsError
 from benchmarks.bench.stats import DEFINITIONS, run_row, summarize_runs
 from benchmarks.bench.timing import PassTimer, SessionClock, copy_bandwidth, ms_stats, timed_ms
 from edge_spec.budget import embed_bytes_per_weight
+from edge_spec.drafters import DRAFTERS, ROLE_DRAFTERS
 from edge_spec.sampling import SamplingConfig
-from runtime.engine import DRAFTERS, Engine, EngineConfig, GenerateConfig
+from runtime.engine import Engine, EngineConfig, GenerateConfig
 
 MODES = ("plain",) + tuple(d for d in DRAFTERS if d != "none")  # a mode is a drafter, or none
-# Bundle role of each drafter that runs a model (the micro benchmark times one step of each).
-ROLE_DRAFTERS = {"draft": "model", "layer_skip": "layer-skip"}
 
 
 @dataclass(frozen=True)

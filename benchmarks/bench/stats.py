@@ -9,6 +9,7 @@ from collections import defaultdict
 import numpy as np
 
 from benchmarks.bench.prompts import BenchPrompt
+from edge_spec.drafters import COPIERS, SPECS
 from edge_spec.verify import expected_tokens_per_pass
 from runtime.stats import acceptance_alpha
 
@@ -77,12 +78,9 @@ def _rounds(steps) -> dict:
             draft_s[step.drafter] += step.draft_s
             drafted[step.drafter] += gamma
         # A layer-skip draft already ran the trunk for its tokens: its verify pass is partial.
-        if step.drafter != "layer-skip":
+        if not (step.drafter in SPECS and SPECS[step.drafter].reuses_trunk):
             target_ms[gamma + 1].append(step.target_s * 1e3)
     return {"by_drafter": by_drafter, "by_gamma": by_gamma, "target_ms": target_ms, "draft_s": draft_s, "drafted": drafted}
-
-
-COPIERS = ("lookup", "suffix")  # drafters that copy text: no model pass per drafted token
 
 
 def _mode_cost(by_drafter: dict) -> float | None:

@@ -1,10 +1,13 @@
-"""The drafter interface the loop speaks to, and the optional capabilities some drafters add.
+"""The drafter interface the loop speaks to, with the capabilities some drafters add.
 
-Every drafter proposes, learns the outcome, and resets for a new sequence. What only some
-need is a capability the policy and the loop check by type: `CostsPasses` (drafting runs model
-passes, which the cost model prices), `CatchesUp` (a draft model with its own cache replays
-what it missed before it drafts), `Selects` (a mixed drafter picks one of its parts per round),
-`Remembers` (it keeps what earlier sequences said, to copy from: the suffix cache), and the proposals `TrunkProposal` (layer skip) and `CatchUpProposal` (a draft model) carry.
+Every drafter proposes, learns the outcome, and resets for a new sequence. What only some do is
+a capability on `Drafter` with a default the others keep, so the loop, policy and calibration
+ask the drafter rather than its type: `costs_passes` (drafting runs model passes, which the cost
+model prices), `catches_up` with `replay_tokens` (a draft model with its own cache replays what
+it missed before it drafts), `parts` / `candidates` (a mixed drafter picks one of its parts per
+round), `forget` (it keeps what earlier sequences said, to copy from: the suffix cache). The
+bases `CostsPasses`, `CatchesUp` and `Selects` set them; a proposal's `trunk_hidden` (layer
+skip) and catch-up fields (a draft model) default to nothing.
 """
 
 from __future__ import annotations
@@ -24,6 +27,10 @@ class Proposal:
     # q for each drafted token, processed exactly like p; None for a deterministic proposal
     # (prompt lookup), which the loop verifies as q = one-hot.
     draft_probs: np.ndarray | None  # [γ, V]
+    # What only some proposals carry (TrunkProposal, CatchUpProposal): class defaults, not fields.
+    trunk_hidden = None
+    catch_up_seconds = 0.0
+    catch_up_tokens = 0
 
     @classmethod
     def of(cls, tokens: list[int], draft_probs: list[np.ndarray | None], **extra) -> "Proposal":
@@ -49,6 +56,8 @@ class CatchUpProposal(Proposal):
 
 class Drafter(ABC):
     name: str
+    costs_passes = False  # drafting runs model passes: the cost model times its steps
+    catches_up = False  # it must feed itself what it missed before drafting (replay_tokens)
 
     @abstractmethod
     def propose(self, tokens: np.ndarray, gamma: int, sampling: SamplingConfig, rng: np.random.Generator) -> Proposal | None:
@@ -67,10 +76,30 @@ class Drafter(ABC):
         class (a copying drafter's match length): the policy keeps an α per class."""
         return 0
 
+    def replay_tokens(self, tokens: np.ndarray) -> int:
+        """Tokens this drafter must feed itself before it can draft after `tokens`."""
+        return 0
+
+    def parts(self) -> list[Drafter]:
+        """Every drafter a round can draft with, each with its own γ policy: itself."""
+        return [self]
+
+    def candidates(self, tokens: np.ndarray) -> list[Drafter]:
+        """The parts able to propose after `tokens`, preferred first; the policy picks one."""
+        return [self]
+
+    def forget(self) -> None:
+        """Keep nothing from earlier sequences (only a drafter that copies from them keeps any)."""
+
+    def use_clock(self, clock) -> None:
+        """Time what it times itself (replay) with `clock`: only a drafter that catches up does."""
+
 
 class CostsPasses(Drafter):
     """Drafting runs model passes (a draft model, layer skip): the cost model times its steps.
     Other drafters (lookup) draft for almost nothing and are priced at zero."""
+
+    costs_passes = True
 
 
 class CatchesUp(CostsPasses):
@@ -78,7 +107,11 @@ class CatchesUp(CostsPasses):
     itself what it missed; the round that drafts next pays for that replay. It times the replay
     with `clock` (the loop sets its own) and reports it in a CatchUpProposal."""
 
+    catches_up = True
     clock = staticmethod(time.perf_counter)
+
+    def use_clock(self, clock) -> None:
+        self.clock = clock
 
     @abstractmethod
     def replay_tokens(self, tokens: np.ndarray) -> int:
@@ -97,27 +130,15 @@ class Selects(Drafter):
         """The parts able to propose after `tokens`, preferred first; the policy picks one."""
 
 
-class Remembers(Drafter):
-    """A drafter that keeps earlier sequences to copy from; `forget` drops them (a benchmark
-    does, so that no run copies what another generated for the same prompt)."""
-
-    @abstractmethod
-    def forget(self) -> None:
-        """Keep nothing from earlier sequences."""
-
-
 def parts(drafter: Drafter | None) -> list[Drafter]:
     """The drafters a round can draft with: a mixed drafter's parts, else the drafter itself."""
-    if drafter is None:
-        return []
-    return drafter.parts() if isinstance(drafter, Selects) else [drafter]
+    return [] if drafter is None else drafter.parts()
 
 
 def use_clock(drafter: Drafter | None, clock) -> None:
     """Drafters that time themselves (replay) read `clock`, so a fake clock reaches every measurement."""
     for part in parts(drafter):
-        if isinstance(part, CatchesUp):
-            part.clock = clock
+        part.use_clock(clock)
 
 
 def pick_token(logits: np.ndarray, sampling: SamplingConfig, rng: np.random.Generator) -> tuple[int, np.ndarray | None]:

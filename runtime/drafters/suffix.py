@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.drafters.base import Remembers
 from runtime.drafters.prompt_lookup import PromptLookupDrafter, match_class
 from runtime.gamma import MAX_GAMMA
 
@@ -145,7 +144,7 @@ class SuffixIndex:
 EARLIER = 8  # evidence classes of copies from earlier requests start here (the request's own: 1–5)
 
 
-class SuffixDrafter(PromptLookupDrafter, Remembers):
+class SuffixDrafter(PromptLookupDrafter):
     """Prompt lookup over this sequence and a suffix index of the sequences before it: each
     sequence goes into the index when the next one starts. With own_text False it drafts only
     where an earlier request matches longer than this one's own text, leaving the rest to a
