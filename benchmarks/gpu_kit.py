@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -52,7 +53,8 @@ PIP_TARGET = ("--python-version", "3.12", "--implementation", "cp", "--abi", "cp
 SOURCE = ("edge_spec", "runtime", "benchmarks")
 # Measurements and caches under the source folders: not needed to run, and benchmarks/results is large.
 SOURCE_SKIP = ("__pycache__", "*.pyc", "results", "anchors", "*.png")
-DEFAULT_MODEL = "~/.cache/edge-spec/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+# edge_spec.catalog.models_dir() spelled with the standard library: launch.py (a copy) runs before edge_spec imports.
+DEFAULT_MODEL = str(Path(os.environ.get("EDGE_SPEC_MODELS", "~/.cache/edge-spec/models")) / "SmolLM2-135M-Instruct.Q4_1.gguf")
 # The reference is the CPU provider on the same weights, so only float16 arithmetic differs: the
 # floor gpu_check holds fp16 graphs to against float32 ones; a wrong kernel costs tens of points.
 SAME_WEIGHTS_FLOOR = 0.97
