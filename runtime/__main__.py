@@ -1,4 +1,5 @@
-"""python -m runtime generate|audit|serve|chat|plan|check|handoff BUNDLE ...: the command line over runtime.Engine.
+"""python -m runtime generate|audit|serve|chat|plan|check|handoff BUNDLE ...: the command line. generate, serve and
+chat go through runtime.api.Model (its scheduler owns concurrency); audit drives a runtime.Engine alone.
 (The decode bench is `python -m benchmarks bench`; `python -m runtime bench` only says so.)"""
 
 from __future__ import annotations
@@ -193,24 +194,28 @@ def _engine(args):
     return engine
 
 
-def _prompt_ids(engine, args) -> list[int]:
+def _prompt_ids(encoder, args) -> list[int]:
+    """encoder: an Engine or a Model (the same encode)."""
     if args.chat:
-        return engine.encode(messages=[{"role": "user", "content": args.prompt}])
-    return engine.encode(prompt=args.prompt)
+        return encoder.encode(messages=[{"role": "user", "content": args.prompt}])
+    return encoder.encode(prompt=args.prompt)
 
 
 def cmd_generate(args) -> int:
     from edge_spec.sampling import SamplingConfig
+    from runtime.api import Model, Options
     from runtime.engine import GenerateConfig
 
-    engine = _engine(args)
+    model = Model(_engine(args), max_queue=0)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
     config = GenerateConfig(args.max_new_tokens, sampling, tuple(args.stop or ()))
-    prompt_ids = _prompt_ids(engine, args)
+    options = Options(config.max_new_tokens, sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed, config.stop)
+    prompt_ids = _prompt_ids(model, args)
     result = None
-    for piece, result in engine.stream(prompt_ids, config):
-        if piece and not args.json:
-            sys.stdout.write(piece)
+    for chunk in model.stream(prompt_ids=prompt_ids, options=options):
+        result = chunk.result or result
+        if chunk.text and not args.json:
+            sys.stdout.write(chunk.text)
             sys.stdout.flush()
     if args.json:
         print(json.dumps({
@@ -218,8 +223,9 @@ def cmd_generate(args) -> int:
             "prompt_ids": result.prompt_ids,
             "token_ids": result.token_ids,
             "stop_reason": result.stop_reason,
-            "provider": engine.provider_report(),
-            "timings": result.timings,
+            "provider": model.engine.provider_report(),
+            # One request, nothing queued before it: queue_s says nothing here.
+            "timings": {k: v for k, v in result.timings.items() if k != "queue_s"},
             "stats": result.stats.to_dict(),
         }))
     else:
@@ -232,8 +238,6 @@ def cmd_generate(args) -> int:
 
 
 def cmd_audit(args) -> int:
-    import numpy as np
-
     from edge_spec.sampling import SamplingConfig
     from runtime import audit
 

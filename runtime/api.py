@@ -17,7 +17,9 @@ Concurrency: one Model runs one generation at a time (its ONNX sessions and KV b
 sequence). Other requests wait their turn in arrival order in a bounded queue: `submit` (and so
 every generate/stream call) raises QueueFullError at once when `max_queue` requests already
 wait, and a request that waited longer than `queue_timeout` seconds raises QueueTimeoutError.
-Calls may come from any number of threads and event loops at once.
+Calls may come from any number of threads and event loops at once. The Model's Scheduler
+(runtime/scheduler.py) is the one owner of all of it: admission, the line, cancellation,
+abandoned streams, and the one worker thread that drives the Engine for every caller.
 
 Cancellation: pass `cancel=threading.Event()` and set it from anywhere, or call `Job.cancel()`.
 A waiting request leaves the queue at once; a running one stops after the current target pass
@@ -37,24 +39,15 @@ import math
 import threading
 import time
 import weakref
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Iterator
 
 from edge_spec.sampling import SamplingConfig, SettingError, shown
 from runtime.engine import Engine, EngineConfig, GenerateConfig, GenerationResult, Prompt, PromptTooLongError, Speculation
-from runtime.stats import summarize
+from runtime.scheduler import BufferSink, Chunk, Failure, QueueFullError, QueueTimeoutError, Request, Scheduler, Sink
 
 STOP_REASONS = ("eos", "stop", "length", "context", "cancelled")
-
-
-class QueueFullError(RuntimeError):
-    """The engine is busy and `max_queue` requests already wait: retry later."""
-
-
-class QueueTimeoutError(TimeoutError):
-    """The request waited longer than the model's queue_timeout for its turn."""
 
 
 class ModelClosedError(RuntimeError):
@@ -95,155 +88,78 @@ class Options:
         return GenerateConfig(self.max_tokens, self.sampling(), self.stop, self.speculation)
 
 
-@dataclass(frozen=True)
-class Chunk:
-    """A piece of streamed text. The last chunk of every stream has text "" and the result."""
-
-    text: str
-    result: GenerationResult | None = None
-
-
-def _empty_result(prompt_ids: list[int], stop_reason: str) -> GenerationResult:
-    stats = summarize((), 0, {}, 0.0, None, 0.0)
-    return GenerationResult("", list(prompt_ids), [], stop_reason, stats.timings(), stats)
-
-
-class _TurnQueue:
-    """Admission and turn-taking: at most 1 + max_queue admitted requests; turns in arrival order."""
-
-    def __init__(self, max_queue: int):
-        if max_queue < 0:
-            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
-        self.max_queue = max_queue
-        self.cond = threading.Condition()
-        self._admitted: set[int] = set()
-        self._order: deque[int] = deque()
-        self._running: int | None = None
-        self.running_thread: int | None = None  # thread that took the running ticket
-        self._next = 0
-        self.on_wait = None  # called (under the lock) while a request waits: releases abandoned streams
-
-    def reserve(self) -> int:
-        with self.cond:
-            if len(self._admitted) >= self.max_queue + 1:
-                raise QueueFullError(
-                    f"the engine is busy and {self.max_queue} request(s) already wait; retry later"
-                )
-            self._next += 1
-            self._admitted.add(self._next)
-            return self._next
-
-    def unreserve(self, ticket: int) -> None:
-        with self.cond:
-            self._admitted.discard(ticket)
-            if ticket in self._order:
-                self._order.remove(ticket)
-            if self._running == ticket:
-                self._running, self.running_thread = None, None
-            self.cond.notify_all()
-
-    def acquire(self, ticket: int, cancel: threading.Event, timeout: float | None) -> bool:
-        """Waits for this ticket's turn. False if cancelled first; QueueTimeoutError on timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self.cond:
-            self._order.append(ticket)
-            try:
-                while self._running is not None or self._order[0] != ticket:
-                    if cancel.is_set():
-                        return False
-                    wait = 0.05  # also polls a caller's own cancel Event
-                    if deadline is not None:
-                        left = deadline - time.monotonic()
-                        if left <= 0:
-                            raise QueueTimeoutError(f"waited {timeout:g} s for the engine; retry later")
-                        wait = min(wait, left)
-                    self.cond.wait(wait)
-                    if self.on_wait is not None and self._running is not None:
-                        self.on_wait()
-                if cancel.is_set():
-                    return False
-                self._running = ticket
-                self.running_thread = threading.get_ident()
-                return True
-            finally:
-                self._order.remove(ticket)
-                self.cond.notify_all()
-
-    def release(self, ticket: int) -> None:
-        with self.cond:
-            if self._running == ticket:
-                self._running, self.running_thread = None, None
-            self.cond.notify_all()
-
-    def wake(self) -> None:
-        with self.cond:
-            self.cond.notify_all()
-
-    @property
-    def running(self) -> bool:
-        return self._running is not None
-
-    @property
-    def depth(self) -> int:
-        """Admitted requests that do not hold the engine (waiting, or not started yet)."""
-        with self.cond:
-            return len(self._admitted) - (1 if self._running is not None else 0)
-
-
-_END = object()
-
-
 class _SyncStream:
-    """A Job's synchronous iterator. It records when it was last left waiting for its caller, so
-    a stream that still holds the engine but is no longer advanced (abandoned while referenced)
-    can be closed by a waiting request after the Model's stream_idle_timeout."""
+    """A Job's synchronous iterator: takes the chunks the scheduler's worker decodes for it.
+    Dropping it (a `break`, CPython collecting it) withdraws its request and frees the engine."""
 
-    def __init__(self, job: "Job", generator: Iterator[Chunk]):
+    def __init__(self, job: "Job"):
         self._job = job
-        self._generator = generator
-        self._lock = threading.Lock()  # held while advancing: a stream being advanced is never closed
-        self.idle_since: float | None = None
+        self._scheduler = job.model._scheduler
+        self._sequence = job._sequence
+        self._started = False
+        self._finalizer = weakref.finalize(self, self._scheduler.withdraw, self._sequence)
+        self._finalizer.atexit = False  # at exit nobody waits for the pass it would wait for
 
     def __iter__(self):
         return self
 
     def __next__(self) -> Chunk:
-        with self._lock:
-            if self._job._abandoned:
-                raise RuntimeError(
-                    f"this stream was not advanced for {self._job.model.stream_idle_timeout:g} s while other requests "
-                    "waited, so it was closed and its engine given to them (Model(stream_idle_timeout=...))"
-                )
-            self.idle_since = None
-            try:
-                return next(self._generator)
-            finally:
-                self.idle_since = time.monotonic()
+        if not self._started:
+            self._scheduler.start(self._sequence, BufferSink(), synchronous=True)
+            self._started = True
+        return self._scheduler.take(self._sequence)
 
     def close(self) -> None:
-        with self._lock:
-            self._generator.close()
+        self._finalizer()
 
-    def abandon_if_idle(self, idle_s: float) -> bool:
-        if self.idle_since is None or time.monotonic() - self.idle_since < idle_s or not self._lock.acquire(blocking=False):
-            return False
+
+_END = object()
+
+
+class _AsyncSink(Sink):
+    """An async consumer's chunks, handed to its event loop; decoded as fast as the engine goes
+    (the consumer is the event loop, which leaving or cancelling ends through Job.cancel)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, started: asyncio.Future,
+                 cancel: threading.Event):
+        self._loop, self._queue, self._started, self._cancel = loop, queue, started, cancel
+        self._settled = False
+
+    def _call(self, fn, *args) -> None:
         try:
-            self._job._abandoned = True
-            self._job.cancel()
-            self._generator.close()
-        finally:
-            self._lock.release()
-        return True
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is gone: nobody listens any more
+            self._cancel.set()
 
+    def _settle(self, value) -> None:
+        if self._settled:
+            return
+        self._settled = True
 
-class _Failure:
-    def __init__(self, exc: BaseException):
-        self.exc = exc
+        def settle():
+            if not self._started.done():
+                if isinstance(value, BaseException):
+                    self._started.set_exception(value)
+                else:
+                    self._started.set_result(value)
+        self._call(settle)
+
+    def started(self) -> None:
+        self._settle(True)
+
+    def put(self, item) -> None:
+        if isinstance(item, Failure):
+            self._settle(item.exc)
+        self._call(self._queue.put_nowait, item)
+
+    def end(self) -> None:
+        self._settle(False)  # ended before it took a slot: cancelled while waiting
+        self._call(self._queue.put_nowait, _END)
 
 
 class Job:
-    """One admitted request. Iterate it once, either synchronously (runs on the calling thread)
-    or asynchronously (runs on a worker thread), or call result() / await aresult()."""
+    """One admitted request. Iterate it once, either synchronously or asynchronously, or call
+    result() / await aresult(); either way the Model's scheduler decodes it on its worker."""
 
     def __init__(self, model: "Model", prompt: Prompt, options: Options, cancel: threading.Event | None):
         self.model = model
@@ -251,25 +167,31 @@ class Job:
         self.prompt_ids = list(prompt)
         self.options = options
         self._cancel = cancel if cancel is not None else threading.Event()
-        self._ticket = model._queue.reserve()
-        self._release = weakref.finalize(self, model._queue.unreserve, self._ticket)
+        self._sequence = model._scheduler.submit(Request(prompt, options.generate_config(), self._cancel))
+        # A Job dropped before it ran gives its admission back; one dropped while it runs stops.
+        weakref.finalize(self, model._scheduler.drop, self._sequence)
         self._iterated = False
-        self._iterator_ref = None  # weak: a dropped sync stream must close (and free the engine) at once
-        self._on_start = None  # called once this job holds the engine
         self._async_queue: asyncio.Queue | None = None
         self._async_started: asyncio.Future | None = None
-        self.final: GenerationResult | None = None  # set once the generation has ended
         self.submitted_at = time.perf_counter()
-        self.first_token_at: float | None = None  # perf_counter when the first round committed tokens
-        self._stream: _SyncStream | None = None  # the sync iterator, once there is one
-        self._abandoned = False
+
+    # -- state ------------------------------------------------------------------------------
+
+    @property
+    def final(self) -> GenerationResult | None:
+        """The result, once the generation has ended."""
+        return self._sequence.final
+
+    @property
+    def first_token_at(self) -> float | None:
+        """perf_counter when the first round's text (or the result) was decoded."""
+        return self._sequence.first_token_at
 
     # -- control ----------------------------------------------------------------------------
 
     def cancel(self) -> None:
         """Stop this request: it leaves the queue, or stops after the current target pass."""
-        self._cancel.set()
-        self.model._queue.wake()
+        self.model._scheduler.cancel(self._sequence)
 
     @property
     def cancelled(self) -> bool:
@@ -281,11 +203,7 @@ class Job:
 
     def close(self) -> None:
         """Cancel, and release the engine and the queue slot now (for abandoned sync streams)."""
-        self.cancel()
-        iterator = self._iterator_ref() if self._iterator_ref is not None else None
-        if iterator is not None:
-            iterator.close()
-        self._release()
+        self.model._scheduler.withdraw(self._sequence)
 
     # -- synchronous ------------------------------------------------------------------------
 
@@ -293,112 +211,31 @@ class Job:
         if self._iterated:
             raise RuntimeError("a Job can be iterated only once")
         self._iterated = True
-        iterator = _SyncStream(self, self._run())
-        self._iterator_ref = weakref.ref(iterator)
-        self._stream = weakref.proxy(iterator)
-        return iterator
+        return _SyncStream(self)
 
     def result(self) -> GenerationResult:
         for _ in self:
             pass
         return self.final
 
-    def _run(self) -> Iterator[Chunk]:
-        queue = self.model._queue
-        try:
-            waited_since = time.perf_counter()
-            if not self._cancel.is_set() and queue.running_thread == threading.get_ident():
-                raise RuntimeError("this thread is iterating a stream of this Model: a request made inside that loop "
-                                   "would wait for it forever; finish or close() the stream first")
-            if not queue.acquire(self._ticket, self._cancel, self.model.queue_timeout):
-                self._finish(_empty_result(self.prompt_ids, "cancelled"), time.perf_counter() - waited_since)
-                yield Chunk("", self.final)
-                return
-            self.model._holder = weakref.ref(self)
-            if self._on_start is not None:
-                self._on_start()
-            try:
-                yield from self._decode(time.perf_counter() - waited_since)
-            finally:
-                queue.release(self._ticket)
-        except QueueTimeoutError:
-            self.model._count("queue_timeouts")
-            raise
-        finally:
-            self._release()
-
-    def _decode(self, queue_s: float) -> Iterator[Chunk]:
-        stream = self.model.engine.stream(self.prompt, self.options.generate_config(), cancel=self._cancel)
-        try:
-            for piece, result in stream:
-                if self.first_token_at is None:
-                    self.first_token_at = time.perf_counter()  # the first text (or the result) arrived
-                if result is None:
-                    yield Chunk(piece)
-                    continue
-                self._finish(result, queue_s)
-                yield Chunk("", result)
-        finally:
-            stream.close()
-
-    def _finish(self, result: GenerationResult, queue_s: float) -> None:
-        result.timings["queue_s"] = queue_s
-        self.final = result
-        self.model._record(result)
-
     # -- asynchronous -----------------------------------------------------------------------
 
     async def astart(self) -> bool:
-        """Start the generation on a worker thread and wait until it holds the engine.
-        Returns False if it was cancelled while waiting; raises QueueTimeoutError."""
+        """Join the line and wait until this job holds the engine. Returns False if it was
+        cancelled while waiting; raises QueueTimeoutError."""
         if self._async_queue is None:
             if self._iterated:
                 raise RuntimeError("a Job can be iterated only once")
-            if self.model._queue.running_thread == threading.get_ident():
-                # An event loop run inside a sync stream's loop body (asyncio.run(model.agenerate(...))):
-                # the stream cannot advance until this await returns, so it would wait for itself.
-                self.close()
-                raise RuntimeError("this thread is iterating a stream of this Model: an event loop run inside that loop "
-                                   "would wait for it forever; finish or close() the stream first")
-            self._iterated = True
             loop = asyncio.get_running_loop()
-            self._async_queue = asyncio.Queue()
-            self._async_started = loop.create_future()
+            queue, started = asyncio.Queue(), loop.create_future()
             # Retrieve a failure even when nobody awaits it any more (no "never retrieved" noise).
-            self._async_started.add_done_callback(lambda f: f.cancelled() or f.exception())
-            threading.Thread(target=self._work, args=(loop,), name=f"edge-spec-job-{self._ticket}", daemon=True).start()
+            started.add_done_callback(lambda f: f.cancelled() or f.exception())
+            # An event loop run inside a sync stream's loop body (asyncio.run(model.agenerate(...)))
+            # is refused here: the stream cannot advance until this await returns.
+            self.model._scheduler.start(self._sequence, _AsyncSink(loop, queue, started, self._cancel), synchronous=False)
+            self._iterated = True
+            self._async_queue, self._async_started = queue, started
         return await asyncio.shield(self._async_started)
-
-    def _work(self, loop: asyncio.AbstractEventLoop) -> None:
-        def put(item) -> None:
-            try:
-                loop.call_soon_threadsafe(self._async_queue.put_nowait, item)
-            except RuntimeError:  # the loop is gone: nobody listens any more
-                self.cancel()
-
-        def started(value) -> None:
-            def settle():
-                if not self._async_started.done():
-                    if isinstance(value, BaseException):
-                        self._async_started.set_exception(value)
-                    else:
-                        self._async_started.set_result(value)
-            try:
-                loop.call_soon_threadsafe(settle)
-            except RuntimeError:
-                self.cancel()
-
-        self._on_start = lambda: started(True)
-        try:
-            for chunk in self._run():
-                put(chunk)
-        except BaseException as exc:  # handed to the awaiting side
-            started(exc)
-            put(_Failure(exc))
-        else:
-            started(False)
-        finally:
-            put(_END)
 
     def __aiter__(self) -> AsyncIterator[Chunk]:
         return self._aiterate()
@@ -416,7 +253,7 @@ class Job:
                 item = await self._async_queue.get()
                 if item is _END:
                     return
-                if isinstance(item, _Failure):
+                if isinstance(item, Failure):
                     if isinstance(item.exc, QueueTimeoutError):
                         continue  # already raised by astart
                     raise item.exc
@@ -454,15 +291,12 @@ class Model:
         _check_queue_settings(max_queue, queue_timeout, stream_idle_timeout)
         self.engine = engine
         self.name = name or Path(engine.bundle.path).resolve().name
-        self.queue_timeout = queue_timeout
-        # A sync stream holding the engine but not advanced for this long, while another request
-        # waits, is closed: a stream abandoned but still referenced cannot block everyone.
-        self.stream_idle_timeout = stream_idle_timeout
-        self._holder = None  # weak reference to the Job holding the engine
-        self._queue = _TurnQueue(max_queue)
-        self._queue.on_wait = self._release_abandoned
+        # stream_idle_timeout: a sync stream holding the engine but not advanced for this long,
+        # while another request waits, is closed (abandoned but still referenced).
+        self._scheduler = Scheduler(engine, max_queue=max_queue, queue_timeout=queue_timeout,
+                                    stream_idle_timeout=stream_idle_timeout, on_result=self._record,
+                                    on_queue_timeout=lambda: self._count("queue_timeouts"))
         self._closed = False
-        self._jobs: weakref.WeakSet[Job] = weakref.WeakSet()
         self._counters = _Counters()
         for key in ("requests", "rejected", "queue_timeouts", "prompt_tokens", "completion_tokens", "target_passes",
                     "drafted_tokens", "accepted_tokens", *(f"finished_{r}" for r in STOP_REASONS)):
@@ -499,15 +333,6 @@ class Model:
         return cls(Engine(bundle, config), max_queue=max_queue, queue_timeout=queue_timeout, name=name,
                    stream_idle_timeout=stream_idle_timeout)
 
-    def _release_abandoned(self) -> None:
-        job = self._holder() if self._holder is not None else None
-        if job is None or self.stream_idle_timeout is None or job._stream is None:
-            return
-        try:
-            job._stream.abandon_if_idle(self.stream_idle_timeout)
-        except ReferenceError:  # the stream was dropped meanwhile (and so closed)
-            pass
-
     # -- facts ------------------------------------------------------------------------------
 
     @property
@@ -519,17 +344,25 @@ class Model:
         return self.engine.tokenizer.has_chat_template
 
     @property
+    def queue_timeout(self) -> float | None:
+        return self._scheduler.queue_timeout
+
+    @property
+    def stream_idle_timeout(self) -> float | None:
+        return self._scheduler.stream_idle_timeout
+
+    @property
     def max_queue(self) -> int:
-        return self._queue.max_queue
+        return self._scheduler.max_queue
 
     @property
     def queue_depth(self) -> int:
         """Requests admitted but not holding the engine."""
-        return self._queue.depth
+        return self._scheduler.depth
 
     @property
     def busy(self) -> bool:
-        return self._queue.running
+        return self._scheduler.busy
 
     def counters(self) -> dict:
         """Totals since load: requests, rejected, queue_timeouts, prompt/completion tokens,
@@ -600,7 +433,6 @@ class Model:
             self._count("rejected")
             raise
         self._count("requests")
-        self._jobs.add(job)
         return job
 
     def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
@@ -622,8 +454,7 @@ class Model:
 
     def cancel_all(self) -> None:
         """Cancel every admitted request (waiting or running); new ones are still taken."""
-        for job in list(self._jobs):
-            job.cancel()
+        self._scheduler.cancel_all()
 
     def close(self) -> None:
         """Take no new requests and cancel those admitted."""

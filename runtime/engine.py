@@ -1,12 +1,13 @@
-"""The public Python API: load a bundle once, then generate or stream from it.
+"""Generation over one loaded bundle: sessions and KV buffers for one sequence at a time.
 
-One Engine holds sessions and KV buffers for one sequence at a time; a lock serializes
-generations, so an Engine may be shared between threads (callers wait their turn).
+An Engine has one owner: one thread drives it at a time, and it takes no lock. A second
+generation while one is open is refused at once (it would share the KV buffers); to share a
+bundle between threads, requests or event loops, use runtime.api.Model, whose scheduler
+(runtime/scheduler.py) admits, queues and drives every generation from its one worker.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
 import time
@@ -118,9 +119,6 @@ class EngineConfig:
     block_stable: bool = False
     # Tokens of earlier sequences the suffix drafters (suffix, auto+suffix) keep to copy from.
     suffix_cache_tokens: int = 1 << 16  # about 20 MB of index at most (README: suffix cache)
-    # A generation on another thread waits for the one holding this Engine, but not for a
-    # stream nobody has read for this long (abandoned while still referenced): it raises instead.
-    stream_idle_timeout: float | None = 60.0
 
     def __post_init__(self):
         for name in ("threads", "device_id"):
@@ -134,8 +132,6 @@ class EngineConfig:
             raise ValueError("set γ with EngineConfig(gamma=..., max_gamma=...), not in gamma_config "
                              f"(got gamma_config fixed={self.gamma_config.fixed}, max_gamma={self.gamma_config.max_gamma})")
         dataclasses.replace(self.gamma_config, fixed=self.gamma, max_gamma=self.max_gamma)  # raises ValueError on a γ it cannot run
-        if self.stream_idle_timeout is not None and not self.stream_idle_timeout > 0:
-            raise ValueError(f"stream_idle_timeout must be > 0 seconds or None, got {self.stream_idle_timeout!r}")
         if self.suffix_cache_tokens < 1:
             raise ValueError(f"suffix_cache_tokens must be at least 1, got {self.suffix_cache_tokens}")
         if self.bundle_sha256 is not None:
@@ -213,7 +209,8 @@ class GenerationResult:
 
 
 class Engine:
-    """Generation over what a Loader opened; the Loader keeps the bundle, sessions and caches."""
+    """Generation over what a Loader opened; the Loader keeps the bundle, sessions and caches.
+    Single-owner: one thread drives it at a time (runtime.api.Model shares one between threads)."""
 
     def __init__(self, bundle_path: str | Path, config: EngineConfig = EngineConfig(),
                  session_hook: Callable[[str, object], object] | None = None):
@@ -229,9 +226,7 @@ class Engine:
         self._plans_fit: dict[str, bool] = {}  # by drafter kind, with config.memory_budget
         self.costs = CostModel()
         self.policy = RoundPolicy(self.costs)  # α per drafter and γ config for the engine's life
-        self._lock = threading.Lock()
-        self._owner: int | None = None  # thread id of the generation holding _lock
-        self._idle_since: float | None = None  # when the holding stream last yielded and was not read since
+        self._generating = False  # a stream is open: its sequence holds the KV buffers
         if config.calibrate and self.drafter is not None:
             self.calibrate()
 
@@ -275,14 +270,14 @@ class Engine:
 
     def use_drafter(self, kind: str, gamma: int | None = None) -> None:
         """Switch drafter (and γ policy) without reloading: sessions and buffers are reused."""
-        drafter_spec(kind)  # an unknown name fails before the Engine is waited for
-        with self._held():
-            self.config = dataclasses.replace(self.config, drafter=kind, gamma=gamma)
-            if kind not in self._drafters:
-                self._drafters[kind] = self._make_drafter(kind)
-            self.drafter = self._drafters[kind]
-            if self.config.calibrate and not calibrated(self.costs, self.drafter):
-                self.calibrate()
+        drafter_spec(kind)  # an unknown name fails before anything changes
+        self._idle("switch drafters")
+        self.config = dataclasses.replace(self.config, drafter=kind, gamma=gamma)
+        if kind not in self._drafters:
+            self._drafters[kind] = self._make_drafter(kind)
+        self.drafter = self._drafters[kind]
+        if self.config.calibrate and not calibrated(self.costs, self.drafter):
+            self.calibrate()
 
     def available_drafters(self) -> tuple[str, ...]:
         """The drafters a request may choose on this bundle: those whose role it has (edge_spec/drafters.py)."""
@@ -314,7 +309,7 @@ class Engine:
         return self._plans_fit[kind]
 
     def _request_drafter(self, speculation: Speculation | None) -> tuple[str, Drafter | None, GammaConfig]:
-        """The drafter and γ config one generation runs with (called holding the Engine); a
+        """The drafter and γ config one generation runs with (called as it starts); a
         drafter first chosen by a request is made and calibrated here, once."""
         kind = speculation.drafter if speculation is not None and speculation.drafter is not None else self.config.drafter
         if kind not in self._drafters:
@@ -326,10 +321,10 @@ class Engine:
 
     def forget(self) -> None:
         """Drop what every drafter keeps from earlier sequences (the suffix cache)."""
-        with self._held():
-            for drafter in self._drafters.values():
-                for part in parts(drafter):
-                    part.forget()
+        self._idle("forget")
+        for drafter in self._drafters.values():
+            for part in parts(drafter):
+                part.forget()
 
     def calibrate(self, repeats: int = 2) -> None:
         """Seed the cost model with this device's pass times (runtime/calibration.py)."""
@@ -363,43 +358,26 @@ class Engine:
         target pass and the result's stop_reason is "cancelled"."""
         prompt_ids = self.check_prompt(prompt_ids)
         self.check_speculation(config.speculation)
-        if self._owner == threading.get_ident():
-            raise RuntimeError("this Engine is already generating on this thread (generate or stream inside a stream "
-                               "of the same Engine would wait for itself forever); finish or close that stream first")
-        self._acquire()
+        self._idle("generate")
+        self._generating = True
         try:
-            self._owner = threading.get_ident()
             if speculative:
                 kind, drafter, gamma = self._request_drafter(config.speculation)
             else:
                 kind, drafter, gamma = "none", None, dataclasses.replace(self.config.gamma_for(), fixed=None)
-            for item in self._stream_locked(list(prompt_ids), config, drafter, cancel, gamma, kind):
-                self._idle_since = time.monotonic()
-                yield item
-                self._idle_since = None
+            yield from self._stream_owned(list(prompt_ids), config, drafter, cancel, gamma, kind)
         finally:
-            self._owner = self._idle_since = None
-            self._lock.release()
+            self._generating = False
 
-    @contextlib.contextmanager
-    def _held(self):
-        self._acquire()
-        try:
-            yield
-        finally:
-            self._lock.release()
+    def _idle(self, doing: str) -> None:
+        """The single-owner check (not a lock: it refuses, it never waits). A generation open on
+        this Engine holds its KV buffers, so nothing else may run until it ends."""
+        if self._generating:
+            raise RuntimeError(f"this Engine is already generating, so it cannot {doing} now: it decodes one sequence "
+                               "at a time for one owner; finish or close() that stream first, or share the bundle "
+                               "through runtime.api.Model, which queues requests")
 
-    def _acquire(self) -> None:
-        """Wait for the generation holding the Engine, unless it is a stream left unread."""
-        while not self._lock.acquire(timeout=0.2):
-            idle_since, timeout = self._idle_since, self.config.stream_idle_timeout
-            if timeout is not None and idle_since is not None and time.monotonic() - idle_since > timeout:
-                raise RuntimeError(
-                    f"this Engine is held by a stream that has not been read for over {timeout:g} s (abandoned but still "
-                    "referenced?): read it to the end or close() it; runtime.api.Model queues requests and closes such "
-                    "streams itself (EngineConfig(stream_idle_timeout=...))")
-
-    def _stream_locked(self, prompt_ids: list[int], config: GenerateConfig, drafter: Drafter | None, cancel: threading.Event | None = None,
+    def _stream_owned(self, prompt_ids: list[int], config: GenerateConfig, drafter: Drafter | None, cancel: threading.Event | None = None,
                        gamma: GammaConfig | None = None, kind: str | None = None):
         rng = np.random.default_rng(config.sampling.seed)
         max_context = self.target.cache.max_context

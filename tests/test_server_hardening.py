@@ -332,7 +332,7 @@ def test_shutdown_lets_streams_finish_until_the_deadline(llama_bundle, deadline,
             client = threading.Thread(target=_stream_events, args=(port, {"prompt": "the cat", "max_tokens": 12}, events), daemon=True)
             client.start()
             began = time.monotonic()
-            while m.engine._owner is None and time.monotonic() - began < 10:
+            while not m.busy and time.monotonic() - began < 10:
                 time.sleep(0.02)
             stopped_at = time.monotonic()
             uv.should_exit = True
