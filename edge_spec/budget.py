@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from edge_spec import layer_subset
 from edge_spec.drafters import drafter_spec
 from edge_spec.manifest import DEFAULT_QUANT_BLOCK, ArchInfo, BundleError, Manifest
 from edge_spec.profiles import PROFILES
@@ -454,7 +455,7 @@ def plan_bundle(
 
 # -- planning an export ------------------------------------------------------------------
 
-LAYER_SKIP_PREFIX = "layer-skip:"  # export's draft spec for a layer-skip draft
+LAYER_SKIP_PREFIX = layer_subset.PREFIX  # export's draft spec for a layer-skip draft
 QUANT_ORDER = ("fp32", "fp16", "int8", "int4")  # the order export --memory-budget steps down
 MIN_BUDGET_CONTEXT = 512  # export --memory-budget halves the context down to this, no further
 
@@ -508,7 +509,12 @@ def plan_export(
     vocab_rows = min([target.vocab_size] + [m.vocab_size for m in models])
     target_arch = target.arch(max_context, vocab_rows, profile.kv_dtype)
     weights = target.weights(quant, vocab_rows, block)
-    roles = [RolePlan("target", target_arch, weights, 2 if layer_skips else 1, None, target.intermediate_size, attention, float16)]
+    sessions = 1
+    if layer_skips:
+        # One session per segment of the cut target; auto's cut is chosen later: planned at its most.
+        kept = layer_subset.parse(layer_skips[0], target.n_layers).kept
+        sessions = len(layer_subset.segments(kept, target.n_layers)) if kept else 2 * layer_subset.MAX_SKIPPED_RUNS + 1
+    roles = [RolePlan("target", target_arch, weights, sessions, None, target.intermediate_size, attention, float16)]
     if models:
         draft = models[0]
         roles.append(RolePlan(
@@ -516,8 +522,8 @@ def plan_export(
             draft.intermediate_size, attention, float16,
         ))
     elif layer_skips:
-        split = int(layer_skips[0][len(LAYER_SKIP_PREFIX) :])
-        roles.append(RolePlan("layer_skip", dataclasses.replace(target_arch, n_layers=split), None, 0, "target"))
+        # Its layers are the target's (auto's are chosen later): it adds no weights and shares the KV.
+        roles.append(RolePlan("layer_skip", dataclasses.replace(target_arch, n_layers=len(kept) if kept else target.n_layers), None, 0, "target"))
     tokenizer = target.vocab_size * TOKENIZER_BYTES_PER_TOKEN
     note = f"{target.vocab_size} tokens x {TOKENIZER_BYTES_PER_TOKEN} B (measured)"
     return plan_roles(roles, tokenizer, "auto", budget, source=source, tokenizer_note=note)

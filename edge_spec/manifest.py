@@ -96,11 +96,51 @@ HEAD_TOKENS_SUFFIX = ".head_tokens.npy"
 
 
 @dataclass(frozen=True)
+class LayerCandidate:
+    """One kept-layer set the layer-skip search measured (export.layer_search)."""
+
+    kept: str  # the kept layers as layer-skip's explicit form, "0-9,14-20,24-27"
+    alpha: float  # teacher-forced top-1 agreement with the full model on the calibration text
+    cost_share: float  # a draft step's cost in full target passes (kept weights, head, session runs)
+    gamma: int  # the draft length the cost model gives the best speedup at
+    speedup: float  # that expected speedup over plain decoding, on the search's verify curve
+
+    def __post_init__(self):
+        for name in ("alpha", "cost_share", "speedup"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1e6:
+                raise BundleError(f"layer search candidate {self.kept!r}: {name} {json.dumps(value)[:40]} is not a number >= 0")
+        if self.alpha > 1 or isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 1:
+            raise BundleError(f"layer search candidate {self.kept!r}: alpha must be in [0, 1] and gamma a positive integer")
+
+
+@dataclass(frozen=True)
+class LayerSearch:
+    """What `--draft layer-skip:auto` searched and found, recorded in the layer_skip role."""
+
+    calibration: str  # the text, in words (its sources and the Python version that supplied it)
+    calibration_sha256: str  # of the calibration token ids (int64 little-endian): the text's id
+    tokens: int  # calibration tokens the search scored
+    influence: tuple[float, ...]  # per layer: 1 - mean cosine of its input and output hidden states
+    verify_curve: tuple[float, ...]  # V(k), k = 1.. rows, the target pass cost the speedup assumed
+    stage_cost: float  # one more session run, in full target passes
+    candidates: tuple[LayerCandidate, ...]
+    chosen: str  # the candidate kept (its `kept`)
+
+    def __post_init__(self):
+        if not any(c.kept == self.chosen for c in self.candidates):
+            raise BundleError(f"layer search: chosen {self.chosen!r} is none of its candidates")
+        if not self.verify_curve or self.verify_curve[0] != 1.0:
+            raise BundleError("layer search: verify_curve must start at V(1) = 1.0")
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """A role (`target`, `draft`, `layer_skip`): the stages it runs in order, and its KV needs.
 
-    A role with `shares_kv_with` set runs a prefix of that role's layers and reads and writes
-    that role's KV buffers instead of owning any (layer-skip self-speculation).
+    A role with `shares_kv_with` set runs some of that role's stages, in its order, its first and
+    last among them, and reads and writes that role's KV buffers instead of owning any (layer-skip
+    self-speculation); its arch counts the layers it runs.
     """
 
     source: str
@@ -114,6 +154,7 @@ class ModelInfo:
     # Weights kept as a GGUF's own blocks (export --gguf-blocks), parameters per GGUF type, and
     # "requantized" for those that were not; None: every weight quantized by the exporter.
     gguf_blocks: dict[str, int] | None = None
+    layer_search: LayerSearch | None = None  # a layer_skip role exported as layer-skip:auto
 
     @property
     def logit_rows(self) -> int:
@@ -252,6 +293,8 @@ def manifest_from_dict(data: dict[str, Any]) -> Manifest:
         raw["stages"] = tuple(raw.get("stages", ()))
         if raw.get("trimmed_head") is not None:
             raw["trimmed_head"] = _build(TrimmedHead, dict(_object(raw["trimmed_head"], f"model {role!r} trimmed_head")), f"model {role!r} trimmed_head")
+        if raw.get("layer_search") is not None:
+            raw["layer_search"] = _layer_search(_object(raw["layer_search"], f"model {role!r} layer_search"), f"model {role!r} layer_search")
         models[role] = _build(ModelInfo, raw, f"model {role!r}")
     _object(data.get("files", {}), "files")
     tok = dict(_object(data.get("tokenizer", {}), "tokenizer"))
@@ -265,6 +308,14 @@ def manifest_from_dict(data: dict[str, Any]) -> Manifest:
         coreml[key] = _build(CoreMLPackageInfo, raw, f"Core ML package {key!r}")
     rest = {k: v for k, v in data.items() if k not in ("stages", "models", "tokenizer", "coreml")}
     return _build(Manifest, dict(rest, stages=stages, models=models, tokenizer=tokenizer, coreml=coreml), "top level")
+
+
+def _layer_search(raw: dict[str, Any], where: str) -> LayerSearch:
+    raw = dict(raw)
+    for name in ("influence", "verify_curve"):
+        raw[name] = tuple(raw.get(name, ()))
+    raw["candidates"] = tuple(_build(LayerCandidate, dict(_object(c, f"{where} candidate")), f"{where} candidate") for c in raw.get("candidates", ()))
+    return _build(LayerSearch, raw, where)
 
 
 def validate(manifest: Manifest, bundle_dir: Path, check_hashes: bool = True) -> None:
@@ -326,6 +377,12 @@ def validate(manifest: Manifest, bundle_dir: Path, check_hashes: bool = True) ->
         owner = manifest.models.get(model.shares_kv_with or role)
         if model.stages[0] != owner.stages[0] or model.stages[-1] != owner.stages[-1]:
             raise BundleError(f"model {role!r} must run {model.shares_kv_with!r}'s first and last stages")
+        # Its own stages in the owner's order: the layers it skips are whole stages of the owner.
+        order = [owner.stages.index(key) if key in owner.stages else -1 for key in model.stages]
+        if -1 in order or order != sorted(set(order)):
+            raise BundleError(f"model {role!r} must run some of {model.shares_kv_with!r}'s stages, in its order")
+        if model.layer_search is not None and model.shares_kv_with is None:
+            raise BundleError(f"model {role!r} has a layer_search: only a layer-skip draft (sharing the target's KV) is searched")
     _validate_coreml(manifest)
     _validate_files(manifest, bundle_dir, check_hashes)
     for role, model in manifest.models.items():
@@ -374,24 +431,27 @@ def load_head_tokens(bundle_dir: str | Path, manifest: Manifest, role: str):
 def _validate_stages(manifest: Manifest, role: str, model: ModelInfo) -> None:
     if not model.stages:
         raise BundleError(f"model {role!r} has no stages")
-    next_layer = 0
+    next_layer = run = 0
     for i, key in enumerate(model.stages):
         stage = manifest.stages.get(key)
         if stage is None:
             raise BundleError(f"model {role!r} names stage {key!r}, which the manifest does not list")
         if stage.embed != (i == 0) or stage.head != (i == len(model.stages) - 1):
             raise BundleError(f"model {role!r}: stage {key!r} is out of place (embed first, head last)")
-        if stage.layers and stage.layer_start != next_layer:
+        # A role sharing another's KV (a layer-skip draft) may skip layers between its stages.
+        skips = model.shares_kv_with is not None and i > 0 and stage.layer_start > next_layer
+        if stage.layers and stage.layer_start != next_layer and not skips:
             raise BundleError(f"model {role!r}: stage {key!r} starts at layer {stage.layer_start}, expected {next_layer}")
         next_layer = stage.layer_end if stage.layers else next_layer
+        run += len(stage.layers)
         if stage.attention not in names.ATTENTION_KINDS:
             raise BundleError(f"stage {key!r}: unknown attention kind {stage.attention!r} (known: {names.ATTENTION_KINDS})")
         expected_in = names.stage_inputs(stage.embed, stage.head, stage.layers, stage.attention)
         expected_out = names.stage_outputs(stage.head, stage.layers, stage.attention)
         if list(stage.inputs) != expected_in or list(stage.outputs) != expected_out:
             raise BundleError(f"stage {key!r}: graph input/output names do not follow edge_spec.names")
-    if next_layer != model.arch.n_layers:
-        raise BundleError(f"model {role!r}: stages run {next_layer} layers, arch says {model.arch.n_layers}")
+    if run != model.arch.n_layers:
+        raise BundleError(f"model {role!r}: stages run {run} layers, arch says {model.arch.n_layers}")
 
 
 def _validate_coreml(manifest: Manifest) -> None:

@@ -82,8 +82,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--draft",
         action="append",
-        help="same-tokenizer draft model (alias/id/path), 'layer-skip:N', or 'none'; repeat to add both kinds "
-        "(default: the catalog's draft for MODEL)",
+        help="same-tokenizer draft model (alias/id/path), a layer-skip draft over the target's own layers "
+        "('layer-skip:N': the first N; 'layer-skip:0-9,14-20,24-27': those kept; 'layer-skip:auto': chosen by measuring "
+        "agreement on calibration text), or 'none'; repeat to add both kinds (default: the catalog's draft for MODEL)",
+    )
+    parser.add_argument(
+        "--layer-search-tokens", type=int, default=512, metavar="N",
+        help="calibration tokens layer-skip:auto scores each candidate on (standard-library code and this project's "
+        "README; one forward pass of the fp32 target per candidate) (default 512)",
+    )
+    parser.add_argument(
+        "--verify-curve", metavar="CURVE",
+        help="the target pass cost layer-skip:auto chooses by, V(k) for k rows: cpu (1 + 0.4(k-1), measured here), flat "
+        "(a GPU), or V(1),V(2),...,V(9) (default: cpu for --device cpu, flat otherwise)",
+    )
+    parser.add_argument(
+        "--layer-search-stage-cost", type=float, default=0.02, metavar="SHARE",
+        help="one more session run, as a share of a target pass, in layer-skip:auto's cost model (default 0.02)",
     )
     parser.add_argument(
         "--draft-vocab", type=int, metavar="N",
@@ -143,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         config = ExportConfig(args.model, out, args.quant, args.max_context, drafts, args.force, formats=formats, attention=args.attention, device=args.device,
                               draft_vocab=args.draft_vocab, draft_vocab_from=sources, block_size=args.block_size,
                               draft_block_size=args.draft_block_size, zero_points=args.zero_points, gguf_blocks=args.gguf_blocks,
-                              gguf_to_int8=_types(args.gguf_to_int8))
+                              gguf_to_int8=_types(args.gguf_to_int8), layer_search_tokens=args.layer_search_tokens,
+                              verify_curve=args.verify_curve, layer_search_stage_cost=args.layer_search_stage_cost)
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ from typing import Callable
 
 import numpy as np
 
+from edge_spec import layer_subset as ls
 from edge_spec import manifest as mf
 from edge_spec import names
 from edge_spec.budget import ExportChoice, ModelFacts, choose_export, matmul_bytes_per_weight, predict_weights
@@ -27,7 +28,7 @@ from export.quantize import quantize_stage
 from export.sources import Checkpoint, load_config, load_tokenizer, open_checkpoint
 from export.vocab_trim import DEFAULT_SOURCES, SUGGESTED_DRAFT_VOCAB
 
-LAYER_SKIP_PREFIX = "layer-skip:"
+LAYER_SKIP_PREFIX = ls.PREFIX
 FORMATS = ("onnx", "coreml")  # ONNX stage graphs; Core ML packages for the Apple Neural Engine
 
 
@@ -58,6 +59,11 @@ class ExportConfig:
     # GGUF types rounded to int8 blocks of 64 instead of kept (gguf_blocks.to_int8); None: DEFAULT_GGUF_TO_INT8
     # wherever blocks may be kept, () where none are.
     gguf_to_int8: tuple[str, ...] | None = None
+    # layer-skip:auto's search (export.layer_search): calibration tokens, the verify curve V(k) it
+    # assumes (None: the device profile's: cpu on the CPU, flat elsewhere), one more session run's cost.
+    layer_search_tokens: int = 512
+    verify_curve: str | None = None
+    layer_search_stage_cost: float = 0.02
 
     def __post_init__(self):
         if self.trace_layers is not None and (isinstance(self.trace_layers, bool) or not isinstance(self.trace_layers, int) or self.trace_layers <= 0):
@@ -102,6 +108,18 @@ class ExportConfig:
             unknown = [t for t in self.gguf_to_int8 if t not in FORMS]
             if unknown:
                 raise ExportError(f"--gguf-to-int8 {','.join(unknown)}: not a GGUF type with a block form; choose from {', '.join(sorted(FORMS))}")
+        for spec in self.drafts:
+            if spec.startswith(LAYER_SKIP_PREFIX):
+                try:
+                    ls.parse(spec)
+                except ls.LayerSpecError as exc:
+                    raise ExportError(str(exc)) from None
+        if self.verify_curve is None:
+            object.__setattr__(self, "verify_curve", "cpu" if self.device == "cpu" else "flat")
+        try:
+            self.search_config()
+        except ValueError as exc:
+            raise ExportError(str(exc)) from None
         if self.attention is None:
             object.__setattr__(self, "attention", PROFILES[self.device].attentions[0])
         if PROFILES[self.device].zero_points and self.quant in ("int4", "int8"):
@@ -126,6 +144,12 @@ class ExportConfig:
         if self.gguf_blocks is not None:
             return self.gguf_blocks
         return from_gguf and self.quant == "int4" and self.gguf_blocks_possible
+
+    def search_config(self):
+        """layer-skip:auto's search settings (export.layer_search.SearchConfig), checked."""
+        from export.layer_search import SearchConfig
+
+        return SearchConfig(self.layer_search_tokens, ls.verify_curve(self.verify_curve), self.layer_search_stage_cost)
 
     @property
     def profile(self) -> DeviceProfile:
@@ -486,8 +510,6 @@ def export_bundle(config: ExportConfig, log: Callable[[str], None] = _log_stderr
     model_drafts = [d for d in config.drafts if not d.startswith(LAYER_SKIP_PREFIX)]
     if len(layer_skips) > 1 or len(model_drafts) > 1:
         raise ExportError("at most one draft model and one layer-skip draft per bundle")
-    if layer_skips and not layer_skips[0][len(LAYER_SKIP_PREFIX) :].isdigit():
-        raise ExportError(f"{layer_skips[0]!r}: write layer-skip:N with N a number of layers")
     progress = Progress(log)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -518,12 +540,12 @@ def _export_into(config: ExportConfig, tmp: Path, layer_skips, model_drafts, pro
         _, draft_config = load_config(model_drafts[0])
         check_context(draft_config, config.max_context)
     n_layers = target_config.num_hidden_layers
-    split = None
+    skip_spec = None
     if layer_skips:
-        spec = layer_skips[0][len(LAYER_SKIP_PREFIX) :]
-        if not spec.isdigit() or not 0 < int(spec) < n_layers:
-            raise ExportError(f"{layer_skips[0]!r}: N must be a layer count between 1 and {n_layers - 1}")
-        split = int(spec)
+        try:
+            skip_spec = ls.parse(layer_skips[0], n_layers)
+        except ls.LayerSpecError as exc:
+            raise ExportError(str(exc)) from None
 
     vocab_rows = target_rows = target_config.vocab_size
     if model_drafts:
@@ -573,19 +595,36 @@ def _export_into(config: ExportConfig, tmp: Path, layer_skips, model_drafts, pro
     packages: dict[str, mf.CoreMLPackageInfo] = {}
     kv_dtype = config.profile.kv_dtype
     target_arch = _arch_info(target.model, config.max_context, vocab_rows, kv_dtype)
-    if split is not None:
-        # The target runs trunk → rest → head; the layer-skip draft runs trunk → head, so every
-        # weight is stored once and the draft writes the trunk's KV rows into the target's cache.
-        plan = [("target.trunk", range(0, split), True, False), ("target.rest", range(split, n_layers), False, False), ("target.head", range(0, 0), False, True)]
+    if skip_spec is not None:
+        kept, search = skip_spec.kept, None
+        if skip_spec.auto:
+            from export.layer_search import search as search_layers
+
+            progress(f"searching the layers a layer-skip draft keeps ({config.layer_search_tokens} tokens, verify curve {config.verify_curve})")
+            with target.loaded(_module_paths(range(n_layers), True, True)):
+                kept, search = search_layers(target.model, target.tokenizer, config.search_config(), progress)
+        # The target runs every segment, then the head; the draft runs the kept segments, then the
+        # head: every weight is stored once, and the draft writes its KV rows into the target's cache.
+        plan, draft_stages = [], []
+        pieces = ls.segments(kept, n_layers)
+        for index, (layers, is_kept) in enumerate(pieces):
+            key = "target.trunk" if index == 0 else ("target.rest" if len(pieces) == 2 else f"target.s{index}")
+            plan.append((key, layers, index == 0, False))
+            if is_kept:
+                draft_stages.append(key)
+        plan.append(("target.head", range(0, 0), False, True))
         models["target"] = mf.ModelInfo(target.source.description, target_arch, config.quant, tuple(k for k, *_ in plan), block_size=config.block_size, zero_points=config.zero_points)
+        windows = tuple(target_arch.layer_windows[i] for i in kept) if target_arch.layer_windows else ()
+        kept_words = f"first {len(kept)}" if kept == tuple(range(len(kept))) else f"layers {ls.describe(kept)}"
         models["layer_skip"] = mf.ModelInfo(
-            f"layer skip: first {split} of {n_layers} layers of the target",
-            dataclasses.replace(target_arch, n_layers=split, layer_windows=target_arch.layer_windows[:split]),
+            f"layer skip: {kept_words} of {n_layers} layers of the target{', chosen by layer-skip:auto' if search else ''}",
+            dataclasses.replace(target_arch, n_layers=len(kept), layer_windows=windows),
             config.quant,
-            ("target.trunk", "target.head"),
+            (*draft_stages, "target.head"),
             shares_kv_with="target",
             block_size=config.block_size,
             zero_points=config.zero_points,
+            layer_search=search,
         )
     else:
         plan = [("target", range(n_layers), True, True)]

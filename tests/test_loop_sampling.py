@@ -21,6 +21,7 @@ from runtime.drafters.layer_skip import LayerSkipDrafter
 from runtime.drafters.mixed import MixedDrafter
 from runtime.drafters.prompt_lookup import PromptLookupDrafter
 from runtime.gamma import GammaConfig
+from runtime.kv_cache import KVCache
 from runtime.loop import decode_steps
 from runtime.policy import RoundPolicy
 from tests.test_loop_toy import VOCAB, ToyLM, ToyRunner
@@ -49,23 +50,38 @@ class NoisyLM(ToyLM):
 
 class ToyTrunkRunner(ToyRunner):
     """A target split as a layer-skip bundle is: stage 0 (the trunk) writes the KV rows and
-    returns a hidden state, here the whole context each position sees; stage 1 is the draft's
-    head on that hidden state (the noisy model); `forward` finishes the target from the trunk
-    rows a draft already computed, so a stale or misplaced trunk row changes the target's law."""
+    returns a hidden state, here the whole context each position sees; the last stage is the
+    draft's head on that hidden state (the noisy model); `forward` finishes the target from the
+    trunk rows a draft already computed, so a stale or misplaced trunk row changes the target's law.
 
-    def __init__(self, lm: ToyLM, draft_head: ToyLM):
+    subset: a kept segment between trunk and head (layer-skip over a subset of layers), with KV
+    rows of its own in cache layer 1 that the target's law reads. The draft computes them without
+    the skipped layers (here: wrong tokens); the verify pass must overwrite every one it scores."""
+
+    def __init__(self, lm: ToyLM, draft_head: ToyLM, subset: bool = False):
         super().__init__(lm)
         self.draft_head = draft_head
+        self.subset = subset
+        self.stages = ["trunk", "segment", "head"] if subset else ["trunk", "head"]
+        if subset:
+            self.cache = KVCache(range(2), n_kv_heads=1, max_context=self.cache.max_context, head_dim=1)
 
-    def _rows(self, end: int) -> list[int]:
-        return self.cache.keys[0][0, 0, :end, 0].astype(np.int64).tolist()
+    def _rows(self, end: int, layer: int = 0) -> list[int]:
+        return self.cache.keys[layer][0, 0, :end, 0].astype(np.int64).tolist()
+
+    def _write_segment(self, ids, start: int, offset: int = 0) -> None:
+        new = ((np.asarray(ids, dtype=np.int64) + offset) % VOCAB).astype(np.float32).reshape(1, 1, len(ids), 1)
+        self.cache.write_rows(range(1, 2), [new, new], start)
 
     def run_stage(self, index, x, start, logit_positions=None):
+        if self.subset and index == 1:  # the draft's later kept segment: its KV rows as the skipped layers left them
+            self._write_segment([c[-1] for c in x[0, :, 0]], start, offset=7)
+            return x
         if index == 0:  # [1,T] ids -> [1,T,1] contexts; KV rows written, the cache's length untouched
             ids = np.asarray(x[0], dtype=np.int64)
             past = self._rows(start)
             new = ids.astype(np.float32).reshape(1, 1, len(ids), 1)
-            self.cache.write_rows(self.cache.layers, [new, new], start)
+            self.cache.write_rows(range(1), [new, new], start)
             contexts = np.empty((1, len(ids), 1), dtype=object)
             for i in range(len(ids)):
                 contexts[0, i, 0] = tuple(past + ids[: i + 1].tolist())
@@ -81,6 +97,10 @@ class ToyTrunkRunner(ToyRunner):
         contexts = [] if trunk_hidden is None else list(trunk_hidden[0, :, 0])
         if done < block:
             contexts += list(self.run_stage(0, token_ids[None, done:], start + done)[0, :, 0])
+        if self.subset:  # every later stage runs on the whole block: the segment's rows the draft wrote are replaced
+            self._write_segment(token_ids, start)
+            past = self._rows(start, layer=1)
+            contexts = [tuple(past + token_ids[: i + 1].tolist()) for i in range(block)]
         self.cache.extend(token_ids)
         self.fed.append(block)
         n_logits = block if n_logits is None else n_logits
@@ -99,8 +119,8 @@ PROMPT = _copy_prompt(ToyLM(5))
 
 
 def _target_and_drafter(kind: str, lm: ToyLM):
-    if kind == "layer-skip":  # the draft runs the target's own trunk and writes its cache
-        target = ToyTrunkRunner(lm, NoisyLM(lm))
+    if kind in ("layer-skip", "layer-skip-subset"):  # the draft runs the target's own trunk and writes its cache
+        target = ToyTrunkRunner(lm, NoisyLM(lm), subset=kind == "layer-skip-subset")
         return target, LayerSkipDrafter(target)
     if kind == "lookup":
         return ToyRunner(lm), PromptLookupDrafter()
@@ -147,7 +167,7 @@ def run_audit(kind: str, sampling: SamplingConfig, gamma: int, n: int = SAMPLES)
 
 @pytest.mark.parametrize("gamma", [1, 3])
 @pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("kind", ["model", "layer-skip", "lookup", "auto"])
+@pytest.mark.parametrize("kind", ["model", "layer-skip", "layer-skip-subset", "lookup", "auto"])
 def test_loop_samples_follow_the_target_law(kind, config, gamma):
     report = run_audit(kind, CONFIGS[config], gamma)
     assert report.exercised, report.lines()
@@ -235,5 +255,21 @@ def test_layer_skip_verify_reusing_a_stale_trunk_row_fails_the_test(monkeypatch)
 
     monkeypatch.setattr(LayerSkipDrafter, "propose", stale)
     report = run_audit("layer-skip", CONFIGS["T1"], 3, WRONG_SAMPLES)
+    assert report.exercised
+    assert not report.passed, report.lines()
+
+
+def test_layer_skip_subset_verify_keeping_the_drafts_segment_rows_fails_the_test(monkeypatch):
+    """A verify pass that recomputed only the rows the draft had not written, leaving the later
+    kept segment's rows as the draft wrote them, changes the law."""
+    original = ToyTrunkRunner._write_segment
+
+    def keep_drafted(self, ids, start, offset=0):
+        if offset == 0 and len(ids) > 1:  # the verify pass: only its last row, past the drafted ones
+            return original(self, ids[-1:], start + len(ids) - 1)
+        return original(self, ids, start, offset)
+
+    monkeypatch.setattr(ToyTrunkRunner, "_write_segment", keep_drafted)
+    report = run_audit("layer-skip-subset", CONFIGS["T1"], 3, WRONG_SAMPLES)
     assert report.exercised
     assert not report.passed, report.lines()

@@ -285,6 +285,33 @@ def test_smollm2_layer_skip_audit_passes():
     assert report.passed, report.lines()
 
 
+def test_smollm2_layer_skip_auto_was_searched_and_is_exact():
+    """The int8 bundle's layer-skip:auto draft: the manifest records a search over SmolLM2's 30
+    layers, its role runs the chosen layers with the target's own stages, and in block-stable mode
+    greedy speculation through it is plain decoding token for token."""
+    from edge_spec import layer_subset
+    from edge_spec.manifest import load_manifest
+
+    real.need(real.SMOLLM2)
+    path = real.bundle("smollm2-int8")
+    manifest = load_manifest(path)
+    skip = manifest.models["layer_skip"]
+    search = skip.layer_search
+    assert search is not None and len(search.influence) == manifest.target.arch.n_layers and search.candidates
+    kept = layer_subset.parse(layer_subset.PREFIX + search.chosen, manifest.target.arch.n_layers).kept
+    assert skip.arch.n_layers == len(kept) and set(skip.stages) <= set(manifest.target.stages)
+    assert sum(len(manifest.stages[key].layers) for key in skip.stages) == len(kept)
+    engine = Engine(path, EngineConfig(provider="cpu", drafter="none", calibrate=False, block_stable=True))
+    config = GenerateConfig(max_new_tokens=48)
+    for messages in real.humaneval_messages(2):
+        ids = engine.encode(messages=messages)
+        engine.use_drafter("none")
+        plain = engine.generate(ids, config).token_ids
+        engine.use_drafter("layer-skip", gamma=3)
+        result = engine.generate(ids, config)
+        assert result.token_ids == plain and result.stats["drafted_tokens"] > 0
+
+
 def test_smollm2_drafting_for_itself_at_coarser_blocks_is_exact():
     """export --draft-block-size 128: the draft model's quantized nodes have blocks of 128 and the
     target's keep 32, the manifest records each, the coarser draft proposes tokens the target

@@ -1,8 +1,11 @@
-"""Self-speculation: the target's first N layers, then its final norm and LM head.
+"""Self-speculation: some of the target's layers (a prefix, or a subset chosen at export), then
+its final norm and LM head.
 
-The draft runs the target's own trunk and head sessions and writes the trunk's KV rows into
-the target's cache, so no weights are loaded twice and the verify pass reuses the trunk's
-output for every drafted position but the last.
+The draft runs the target's own stage sessions (the first, which holds the embedding and the
+first kept layers, then every other stage the layer_skip role lists, then the head) and writes
+their KV rows into the target's cache at the drafted positions, so no weights are loaded twice.
+The verify pass reuses the first stage's output for every drafted position but the last, and
+recomputes every later stage for every row it scores, overwriting the rows the draft wrote there.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ class LayerSkipDrafter(CostsPasses):
     name = "layer-skip"
 
     def __init__(self, runner: ModelRunner):
-        self.runner = runner  # stages [trunk, head]; runner.cache is the target's cache
+        self.runner = runner  # stages [trunk, kept segments..., head]; runner.cache is the target's cache
 
     def propose(self, tokens, gamma, sampling, rng):
         cache = self.runner.cache
@@ -26,12 +29,16 @@ class LayerSkipDrafter(CostsPasses):
         if gamma <= 0:
             return None
         token = int(tokens[-1])
+        last = len(self.runner.stages) - 1
         hidden, drafted, draft_probs = [], [], []
         first_position = np.zeros(1, dtype=np.int64)
         for i in range(gamma):
             trunk_hidden = self.runner.run_stage(0, np.array([[token]], dtype=np.int64), kv_len + i)  # [1,1,H]
             hidden.append(trunk_hidden)
-            logits = self.runner.run_stage(1, trunk_hidden, kv_len + i, first_position)[0, -1]  # [V]
+            x = trunk_hidden
+            for index in range(1, last):
+                x = self.runner.run_stage(index, x, kv_len + i)  # [1,1,H]: a later kept segment
+            logits = self.runner.run_stage(last, x, kv_len + i, first_position)[0, -1]  # [V]
             token, token_probs = pick_token(logits, sampling, rng)
             drafted.append(token)
             draft_probs.append(token_probs)
