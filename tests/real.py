@@ -78,24 +78,26 @@ REAL_BUNDLES = {
     "smollm2-int8": ("smollm2-135m", "int8", ("layer-skip:auto",), 1024, "fused", "cpu"),
     "qwen-pair-int4": ("qwen2.5-coder-1.5b", "int4", ("qwen2.5-coder-0.5b", LAYER_SKIP), 2048, "fused", "cpu"),
     "qwen-pair-int8": ("qwen2.5-coder-1.5b", "int8", ("qwen2.5-coder-0.5b", LAYER_SKIP), 2048, "fused", "cpu"),
-    "qwen-pair-cuda-int4": ("qwen2.5-coder-1.5b", "int4", ("qwen2.5-coder-0.5b", LAYER_SKIP), 2048, "fused", "cuda"),
+    # The --device cuda int4 target alone: its top-1 against the CPU default (the pair's CUDA
+    # speculation is checked on SmolLM2's cuda bundle and by the GPU kit).
+    "qwen15-cuda-int4": ("qwen2.5-coder-1.5b", "int4", (), 1024, "fused", "cuda"),
     "qwen15-fp32": ("qwen2.5-coder-1.5b", "fp32", (), 1024, "fused", "cpu"),
     # Gemma 3: 1024 positions reach past its 512-token sliding window.
     "gemma3-fp32": ("gemma-3-270m", "fp32", ("layer-skip:9",), 1024, "fused", "cpu"),
     "gemma3-int8": ("gemma-3-270m", "int8", ("layer-skip:9",), 1024, "fused", "cpu"),
     "gemma3-int4": ("gemma-3-270m", "int4", ("layer-skip:9",), 1024, "fused", "cpu"),
     "gemma3-int4-b128": ("gemma-3-270m", "int4", ("layer-skip:9",), 1024, "fused", "cpu"),
-    # The int4 pair with the draft's LM head trimmed (export --draft-vocab, counted on stdlib,docs).
-    "qwen-pair-int4-trim32k": ("qwen2.5-coder-1.5b", "int4", ("qwen2.5-coder-0.5b",), 2048, "fused", "cpu"),
     # SmolLM2 drafting for itself at coarser blocks (export --draft-block-size 128): the cheapest real pair.
     "smollm2-pair-int4-d128": ("smollm2-135m", "int4", ("smollm2-135m",), 1024, "fused", "cpu"),
+    # The same pair with the draft's LM head trimmed to a third (export --draft-vocab, counted on stdlib,docs).
+    "smollm2-pair-int4-d128-trim16k": ("smollm2-135m", "int4", ("smollm2-135m",), 1024, "fused", "cpu"),
     # SmolLM2 re-quantized (export --requantize): beside the default, which keeps the file's blocks.
     "smollm2-int4-requant": ("smollm2-135m", "int4", (), 1024, "fused", "cpu"),
 }
 GGUF_BLOCKS = {"smollm2-int4-requant": False}  # name -> export gguf_blocks (else the default: kept where it can)
-DRAFT_VOCAB = {"qwen-pair-int4-trim32k": 32768}  # name -> export --draft-vocab
+DRAFT_VOCAB = {"smollm2-pair-int4-d128-trim16k": 16384}  # name -> export --draft-vocab
 BLOCK_SIZE = {"gemma3-int4-b128": 128}  # name -> export --block-size (else the default)
-DRAFT_BLOCK_SIZE = {"smollm2-pair-int4-d128": 128}  # name -> export --draft-block-size (else --block-size)
+DRAFT_BLOCK_SIZE = {"smollm2-pair-int4-d128": 128, "smollm2-pair-int4-d128-trim16k": 128}  # name -> export --draft-block-size (else --block-size)
 
 
 def _bundle_path(name: str) -> Path:

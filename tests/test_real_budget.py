@@ -33,11 +33,12 @@ def pair() -> Path:
     return real.bundle("qwen-pair-int4")
 
 
-@pytest.fixture(scope="module", params=["qwen-pair-int4", "qwen-pair-cuda-int4"])
-def planned_pair(request) -> Path:
-    """The CPU profile's pair and the --device cuda one (float16 KV: half the KV bytes)."""
+@pytest.fixture(scope="module", params=[("qwen-pair-int4", "model"), ("qwen15-cuda-int4", "none")], ids=lambda p: p[0])
+def planned_pair(request) -> tuple[Path, str]:
+    """The CPU profile's pair with its draft model, and the --device cuda target (float16 KV:
+    half the KV bytes) decoding plain."""
     real.need(real.QWEN_TARGET, real.QWEN_DRAFT)
-    return real.bundle(request.param)
+    return real.bundle(request.param[0]), request.param[1]
 
 
 def _prompt(bundle: Path, n_tokens: int) -> str:
@@ -80,19 +81,19 @@ def _generate(bundle: Path, tmp_path: Path, *args) -> tuple[int, int, float, str
 
 
 def test_plan_matches_peak_resident_memory(planned_pair, tmp_path):
-    pair = planned_pair
+    pair, drafter = planned_pair
     manifest = load_manifest(pair, check_hashes=False)
-    full = plan_bundle(manifest, pair, "model")
+    full = plan_bundle(manifest, pair, drafter)
     budget = round(full.total_bytes * (1 + TOLERANCE))
     prompt = _prompt(pair, PROMPT_TOKENS)
     rc, peak, seconds, stderr = _generate(
-        pair, tmp_path, "--draft", "model", "--prompt", prompt, "--max-new-tokens", NEW_TOKENS, "--memory-budget", budget,
+        pair, tmp_path, "--draft", drafter, "--prompt", prompt, "--max-new-tokens", NEW_TOKENS, "--memory-budget", budget,
     )
     assert rc == 0, stderr
     from tokenizers import Tokenizer
 
     used = len(Tokenizer.from_file(str(pair / "tokenizer.json")).encode(prompt).ids) + NEW_TOKENS
-    planned = plan_bundle(manifest, pair, "model", context=used)
+    planned = plan_bundle(manifest, pair, drafter, context=used)
     report = (
         f"peak RSS {format_size(peak)}; plan at {used} tokens {format_size(planned.total_bytes)} "
         f"({planned.total_bytes / peak - 1:+.1%}); full-context plan {format_size(full.total_bytes)}, "
@@ -104,7 +105,7 @@ def test_plan_matches_peak_resident_memory(planned_pair, tmp_path):
     if manifest.device == "cuda":  # float16 KV: half the float32 bytes for the same shape
         float32 = plan_bundle(dataclasses.replace(manifest, device="cpu", models={
             r: dataclasses.replace(m, arch=dataclasses.replace(m.arch, kv_dtype="float32")) for r, m in manifest.models.items()
-        }), pair, "model")
+        }), pair, drafter)
         assert full.part("KV target") * 2 == float32.part("KV target")
 
 

@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 
 from edge_spec.sampling import SamplingConfig
+from runtime.drafters.base import parts
 from runtime.engine import Engine, EngineConfig, GenerateConfig
+from runtime.gamma import MAX_GAMMA, CostModel
+from runtime.policy import RoundPolicy
 from tests import real
 
 pytestmark = pytest.mark.real_weights
@@ -63,19 +66,17 @@ def _top1_against_transformers(bundles: list, gguf_file: str, n_humaneval: int =
     else:  # a base model: no chat template
         prompts = [engines[0].encode(prompt=p) for p in raw_prompts]
     prompts += [engines[0].encode(messages=m) for m in real.humaneval_messages(n_humaneval)] if n_humaneval else []
-    rows = {}
-    for bundle, engine in zip(bundles, engines):
-        agree = total = 0
-        worst = 0.0
-        for ids in prompts:
-            with torch.no_grad():
-                reference = model(torch.tensor([ids])).logits[0].numpy()
+    agree, worst, total = [0] * len(bundles), [0.0] * len(bundles), 0
+    for ids in prompts:  # each prompt's reference once, every bundle against it
+        with torch.no_grad():
+            reference = model(torch.tensor([ids])).logits[0].numpy()
+        total += len(ids)
+        for i, engine in enumerate(engines):
             engine.target.cache.reset()
             logits = engine.target.forward(ids)
-            agree += int((logits.argmax(-1) == reference.argmax(-1)).sum())
-            total += len(ids)
-            worst = max(worst, float(np.abs(logits - reference[:, : logits.shape[1]]).max()))
-        rows[bundle.name] = {"top1": agree / total, "max_abs_diff": worst, "positions": total}
+            agree[i] += int((logits.argmax(-1) == reference.argmax(-1)).sum())
+            worst[i] = max(worst[i], float(np.abs(logits - reference[:, : logits.shape[1]]).max()))
+    rows = {b.name: {"top1": a / total, "max_abs_diff": w, "positions": total} for b, a, w in zip(bundles, agree, worst)}
     print(rows)
     return rows
 
@@ -85,7 +86,7 @@ def test_qwen_cuda_profile_top1_against_the_cpu_default():
     provider, against the CPU default, which keeps the GGUF's blocks: the cuda bundle keeps the
     top-1 floor README states, and the kept blocks agree with the checkpoint more often."""
     real.need(real.QWEN_TARGET, real.QWEN_DRAFT, real.HUMANEVAL)
-    cpu, cuda = real.bundle("qwen-pair-int4"), real.bundle("qwen-pair-cuda-int4")
+    cpu, cuda = real.bundle("qwen-pair-int4"), real.bundle("qwen15-cuda-int4")
     rows = _top1_against_transformers([cpu, cuda], real.QWEN_TARGET)
     assert rows[cuda.name]["top1"] >= 0.9, rows
     assert rows[cpu.name]["top1"] >= max(0.95, rows[cuda.name]["top1"]), rows
@@ -348,6 +349,34 @@ def test_smollm2_drafting_for_itself_at_coarser_blocks_is_exact():
     assert report.passed, report.lines()
 
 
+class _SteadyCosts(CostModel):
+    """Pass times that do not move: a verify pass of k tokens costs 1 + 0.1 (k - 1) one-token
+    passes, a draft step of a part that runs passes `draft_share` of one. A test of what a
+    drafter proposes and the target accepts must not turn on a timing spike of a loaded 2-core
+    host (measured costs made the policy sit the copies out there)."""
+
+    def __init__(self, drafter, draft_share: float = 0.5):
+        super().__init__()
+        self.target = {block: 1.0 + 0.1 * (block - 1) for block in range(1, MAX_GAMMA + 2)}
+        self.draft_step = {part.name: draft_share for part in parts(drafter) if part.costs_passes}
+
+    def record_target(self, block: int, seconds: float) -> None:
+        pass
+
+    def record_draft(self, drafter: str, steps: int, seconds: float) -> None:
+        pass
+
+    def record_replay(self, drafter: str, n_tokens: int, seconds: float) -> None:
+        pass
+
+
+def _steady(engine: Engine, drafter: str) -> None:
+    """Switch `engine` to `drafter`, priced by _SteadyCosts."""
+    engine.use_drafter(drafter)
+    engine.costs = _SteadyCosts(engine.drafter)
+    engine.policy = RoundPolicy(engine.costs)
+
+
 @pytest.mark.parametrize("drafter", ["suffix", "auto+suffix"])
 def test_smollm2_suffix_cache_copies_an_earlier_answer_exactly(drafter):
     """A repeated request drafts its answer from the suffix cache (a copy from an earlier request,
@@ -358,7 +387,7 @@ def test_smollm2_suffix_cache_copies_an_earlier_answer_exactly(drafter):
     ids = engine.encode(messages=[{"role": "user", "content": "Write a Python function that reverses a string."}])
     config = GenerateConfig(max_new_tokens=48)
     plain = engine.generate(ids, config).token_ids
-    engine.use_drafter(drafter)
+    _steady(engine, drafter)
     first = engine.generate(ids, config)
     again = engine.generate(ids, config)
     assert first.token_ids == again.token_ids == plain
@@ -399,7 +428,7 @@ def test_smollm2_int8_greedy_depends_on_blocks_unless_block_stable():
                 assert result.token_ids == plain, (drafter, gamma)
 
 
-@pytest.mark.parametrize("name", ["qwen-pair-int4", "qwen-pair-int8", "qwen-pair-cuda-int4"])
+@pytest.mark.parametrize("name", ["qwen-pair-int4", "qwen-pair-int8"])
 def test_qwen_pair_greedy_speculative_equals_plain(name):
     """CI checks 2 HumanEval prompts x 48 tokens per drafter and precision; the 20 x 128
     check is `bench` in BENCHMARKS.md. A forced γ=3 keeps every drafter drafting."""
@@ -416,19 +445,20 @@ def test_qwen_pair_greedy_speculative_equals_plain(name):
             assert speculative.stats["drafted_tokens"] > 0, (drafter, i)
 
 
-def test_qwen_trimmed_draft_head_is_exact():
-    """The int4 pair with the 0.5B draft's head cut to 32,768 rows (export --draft-vocab): its
-    logits are the whole head's on the kept rows and -inf elsewhere, greedy speculation is plain's
-    (block-stable), and sampled speculation passes the audit. c and alpha: `bench` in BENCHMARKS.md."""
+def test_smollm2_trimmed_draft_head_is_exact():
+    """SmolLM2 drafting for itself at blocks of 128 with the draft's head cut to 16,384 of 49,152
+    rows (export --draft-vocab): its logits are the whole head's on the kept rows and -inf
+    elsewhere, greedy speculation is plain's (block-stable), and sampled speculation passes the
+    audit. c and alpha on the Qwen pair: `bench` in BENCHMARKS.md."""
     from edge_spec.manifest import load_head_tokens
 
-    real.need(real.QWEN_TARGET, real.QWEN_DRAFT, real.HUMANEVAL)
-    path = real.bundle("qwen-pair-int4-trim32k")
+    real.need(real.SMOLLM2, real.HUMANEVAL)
+    path = real.bundle("smollm2-pair-int4-d128-trim16k")
     engine = Engine(path, EngineConfig(provider="cpu", drafter="model", calibrate=False, block_stable=True))
     kept = load_head_tokens(path, engine.bundle.manifest, "draft")
-    assert len(kept) == 32768 and set(engine.tokenizer.eos_token_ids) <= set(kept.tolist())
+    assert len(kept) == 16384 and set(engine.tokenizer.eos_token_ids) <= set(kept.tolist())
     ids = engine.encode(messages=real.humaneval_messages(1)[0])
-    whole = Engine(real.bundle("qwen-pair-int4"), EngineConfig(provider="cpu", drafter="model", calibrate=False))
+    whole = Engine(real.bundle("smollm2-pair-int4-d128"), EngineConfig(provider="cpu", drafter="model", calibrate=False))
     runners = [e.drafter.runner for e in (engine, whole)]
     for runner in runners:
         runner.cache.reset()

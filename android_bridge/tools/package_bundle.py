@@ -70,10 +70,6 @@ def plan(bundle: Path, roles: list[str] | None, check_hashes: bool = True) -> di
         raise PackageError(f"the bundle was exported for --device {manifest.device}: the phone path runs --device cpu bundles; re-export with --device cpu --attention portable")
     for role in roles:
         model = manifest.models[role]
-        # The Kotlin core runs a layer-skip draft's first stage then the head: a prefix of the target's layers.
-        if model.shares_kv_with is not None and len(model.stages) > 2:
-            raise PackageError(f"model {role!r} skips layers between its stages (a layer-skip subset or auto draft): the Kotlin core "
-                               "runs prefix drafts only; re-export with --draft layer-skip:N or package --roles target")
         if model.quant not in PHONE_QUANTS:
             raise PackageError(f"model {role!r} is {model.quant}: the phone path runs {', '.join(PHONE_QUANTS)} only; re-export with --quant int8 or int4")
         if model.arch.kv_dtype not in PHONE_KV:

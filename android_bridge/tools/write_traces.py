@@ -770,7 +770,7 @@ def tiny_bundles(out: Path) -> dict[str, Path]:
     bundles = {"llama": root / "llama", "qwen2": root / "qwen2"}
     # Portable graphs: the Kotlin core runs standard ONNX ops and copies new KV rows itself.
     tiny.export(llama, bundles["llama"], drafts=(str(draft), "layer-skip:1"), attention="portable")
-    tiny.export(qwen2, bundles["qwen2"], drafts=(str(draft), "layer-skip:2"), attention="portable")
+    tiny.export(qwen2, bundles["qwen2"], drafts=(str(draft), "layer-skip:0,2"), attention="portable")
     return bundles
 
 

@@ -151,7 +151,10 @@ class DraftModelDrafter(val runner: TargetModel) : Drafter(), CatchesUp {
     }
 }
 
-/** Self-speculation: the target's first stage (trunk) plus its head, writing into the target's cache. */
+/**
+ * Self-speculation: the target's first stage (trunk), the later stages the layer_skip role keeps (a subset
+ * chosen at export), then the head, writing their KV rows into the target's cache.
+ */
 class LayerSkipDrafter(val runner: ModelRunner) : Drafter(), CostsPasses {
     override val name = "layer-skip"
 
@@ -167,7 +170,10 @@ class LayerSkipDrafter(val runner: ModelRunner) : Drafter(), CostsPasses {
         for (i in 0 until g) {
             val h = (runner.runStage(0, StageInput.Ids(longArrayOf(token)), start + i) as StageOutput.States).hidden
             hidden = hidden?.concat(h) ?: h
-            val logits = (runner.runStage(1, StageInput.States(h), start + i, longArrayOf(0)) as StageOutput.Logits).rows.last()
+            val last = runner.stages.size - 1
+            var x = h
+            for (index in 1 until last) x = (runner.runStage(index, StageInput.States(x), start + i) as StageOutput.States).hidden
+            val logits = (runner.runStage(last, StageInput.States(x), start + i, longArrayOf(0)) as StageOutput.Logits).rows.last()
             val (t, q) = pickToken(logits, sampling, rng)
             token = t.toLong(); drafted[i] = token; probs[i] = q
         }

@@ -106,7 +106,7 @@ object ManifestReader {
         val modelsObj = top.obj("models")
         val models = LinkedHashMap<String, ModelInfo>()
         for (role in modelsObj.keys()) {
-            val f = Fields(modelsObj.getJSONObject(role), "model '$role'", listOf("source", "arch", "quant", "stages", "shares_kv_with", "trimmed_head", "block_size", "zero_points", "gguf_blocks"))
+            val f = Fields(modelsObj.getJSONObject(role), "model '$role'", listOf("source", "arch", "quant", "stages", "shares_kv_with", "trimmed_head", "block_size", "zero_points", "gguf_blocks", "layer_search"))
             // A trimmed draft head needs its logits put back at the kept token ids; this core does not do that yet.
             if (f.has("trimmed_head")) {
                 throw BundleException("model '$role' has a trimmed LM head (trimmed_head): the Android core does not run trimmed draft heads yet; export without --draft-vocab")
@@ -124,6 +124,12 @@ object ManifestReader {
                 if (counts.isEmpty() || counts.any { !(it is Int && it >= 0) && !(it is Long && it >= 0L) }) {
                     throw BundleException("manifest model '$role': gguf_blocks is not a table of GGUF types to parameter counts")
                 }
+            }
+            // The export's record of how a layer-skip subset was chosen: checked, not needed to run it.
+            if (f.has("layer_search")) {
+                f.obj("layer_search")
+                if (f.strOrNull("shares_kv_with") == null)
+                    throw BundleException("model '$role' has a layer_search: only a layer-skip draft (sharing the target's KV) is searched")
             }
             val a = Fields(f.obj("arch"), "model '$role' arch",
                 listOf("model_type", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_size", "vocab_size", "max_context", "kv_dtype", "layer_windows"))
@@ -169,19 +175,33 @@ object ManifestReader {
             }
             validateStages(m, role, model)
         }
+        for ((role, model) in m.models) {
+            val ownerRole = model.sharesKvWith ?: role
+            val owner = m.models.getValue(ownerRole)
+            if (model.stages.first() != owner.stages.first() || model.stages.last() != owner.stages.last())
+                throw BundleException("model '$role' must run '${model.sharesKvWith}''s first and last stages")
+            // Its own stages in the owner's order: the layers it skips are whole stages of the owner.
+            val order = model.stages.map { owner.stages.indexOf(it) }
+            if (-1 in order || order != order.toSortedSet().toList())
+                throw BundleException("model '$role' must run some of '${model.sharesKvWith}''s stages, in its order")
+        }
         validateFiles(m, bundleDir, checkHashes)
     }
 
     private fun validateStages(m: Manifest, role: String, model: ModelInfo) {
         if (model.stages.isEmpty()) throw BundleException("model '$role' has no stages")
         var nextLayer = 0
+        var run = 0
         for ((i, key) in model.stages.withIndex()) {
             val stage = m.stages[key] ?: throw BundleException("model '$role' names stage '$key', which the manifest does not list")
             if (stage.embed != (i == 0) || stage.head != (i == model.stages.size - 1))
                 throw BundleException("model '$role': stage '$key' is out of place (embed first, head last)")
-            if (!stage.layers.isEmpty() && stage.layerStart != nextLayer)
+            // A role sharing another's KV (a layer-skip draft) may skip layers between its stages.
+            val skips = model.sharesKvWith != null && i > 0 && stage.layerStart > nextLayer
+            if (!stage.layers.isEmpty() && stage.layerStart != nextLayer && !skips)
                 throw BundleException("model '$role': stage '$key' starts at layer ${stage.layerStart}, expected $nextLayer")
             if (!stage.layers.isEmpty()) nextLayer = stage.layerEnd
+            run += stage.layers.count()
             if (stage.attention !in ATTENTION_KINDS)
                 throw BundleException("stage '$key': unknown attention kind '${stage.attention}' (known: $ATTENTION_KINDS)")
             // Fused stages need ONNX Runtime's contrib GroupQueryAttention and in-place KV binding,
@@ -193,7 +213,7 @@ object ManifestReader {
                 stage.outputs != Names.stageOutputs(stage.head, stage.layers))
                 throw BundleException("stage '$key': graph input/output names do not follow edge_spec.names")
         }
-        if (nextLayer != model.arch.nLayers) throw BundleException("model '$role': stages run $nextLayer layers, arch says ${model.arch.nLayers}")
+        if (run != model.arch.nLayers) throw BundleException("model '$role': stages run $run layers, arch says ${model.arch.nLayers}")
     }
 
     private fun validateFiles(m: Manifest, dir: File, checkHashes: Boolean) {
