@@ -273,9 +273,18 @@ class RolePlan:
     def packed_weights(self) -> int:
         return round(self.weights.packed * (_FP16_ACTIVATION_WEIGHTS if self.float16_activations else 1))
 
-    def workspace(self, max_gamma: int) -> int:
+    def session_workspace(self, max_gamma: int) -> int:
+        """What one of its sessions with layers keeps in its arena at its largest block."""
         per_session = workspace_bytes(self.arch, self.intermediate_size, self.attention, max_gamma)
-        return round(self.layer_sessions * per_session * (_FP16_ACTIVATION_WORKSPACE if self.float16_activations else 1))
+        return round(per_session * (_FP16_ACTIVATION_WORKSPACE if self.float16_activations else 1))
+
+
+def one_arena(manifest: Manifest) -> bool:
+    """Whether the runtime's CPU sessions share one arena: where the target is cut in more than one
+    stage with layers (a layer-skip draft's cut). Those stages run in turn, so one arena needs one
+    stage's activations where an arena each keeps every stage's; elsewhere sharing saved little
+    and it costs a little decode time (BENCHMARKS.md, "One arena")."""
+    return sum(1 for key in manifest.target.stages if manifest.stages[key].layers) > 1
 
 
 @dataclass(frozen=True)
@@ -379,10 +388,16 @@ def plan_roles(
     draft_model = any(r.weights is not None for r in roles[1:])
     logits = logits_bytes(target.vocab_size, max_gamma, draft_model)
     parts.append(Part("logits", logits, f"[{max_gamma + 1}, {target.vocab_size}] float32 + float64 probabilities"))
-    workspace = sum(r.workspace(max_gamma) for r in roles if r.weights is not None)
-    sessions = sum(r.layer_sessions for r in roles if r.weights is not None)
-    kinds = "/".join(sorted({r.attention for r in roles if r.weights is not None}))
-    parts.append(Part("workspace", workspace, f"blocks of {largest_block(target, max_gamma)} tokens, {sessions} session(s) with layers, {kinds} attention"))
+    loaded = [r for r in roles if r.weights is not None and r.layer_sessions]
+    sessions = sum(r.layer_sessions for r in loaded)
+    shared = roles[0].layer_sessions > 1  # one_arena: a cut target
+    if shared:
+        workspace = max(r.session_workspace(max_gamma) for r in loaded)
+    else:
+        workspace = sum(r.layer_sessions * r.session_workspace(max_gamma) for r in loaded)
+    kinds = "/".join(sorted({r.attention for r in loaded}))
+    arenas = f"one arena for {sessions} session(s)" if shared else f"{sessions} session(s)"
+    parts.append(Part("workspace", workspace, f"blocks of {largest_block(target, max_gamma)} tokens, {arenas} with layers, {kinds} attention"))
     running = sum(p.bytes for p in parts if p.name.startswith("KV ")) + logits + workspace
     transient = max((r.weights.load_transient for r in roles if r.weights is not None), default=0)
     if transient > running:

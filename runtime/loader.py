@@ -11,7 +11,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from edge_spec.budget import plan_bundle
+from edge_spec.budget import one_arena, plan_bundle
 from edge_spec.drafters import DrafterSpec, drafter_spec
 from edge_spec.manifest import BundleError, check_declared_io, load_head_tokens
 from edge_spec.placement import check_bundle
@@ -94,7 +94,8 @@ class Loader:
         c = self.config
         # auto means the best provider that works: one that fails to start gives way to the CPU.
         allow_fallback = c.allow_fallback or choice.requested == "auto"
-        return SessionConfig(choice.provider, c.threads, allow_fallback, c.device_id, c.coreml_compute_units, c.coreml_static_shapes, c.profile_prefix)
+        return SessionConfig(choice.provider, c.threads, allow_fallback, c.device_id, c.coreml_compute_units, c.coreml_static_shapes,
+                             c.profile_prefix, one_arena(self.bundle.manifest))
 
     def _runs_coreml_package(self, key: str, stage, group: str) -> bool:
         """A stage runs its Core ML package when the bundle has no ONNX graph for it, or when the

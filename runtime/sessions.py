@@ -91,6 +91,10 @@ class SessionConfig:
     # so with it the Core ML EP takes only the nodes whose inputs are all static (few).
     coreml_static_shapes: bool = False
     profile_prefix: str | None = None  # ONNX Runtime profiling on, files named PREFIX_<date>.json
+    # CPU sessions take their activations from one arena of the process instead of one each:
+    # the stages of a split target run in turn, so they need one stage's peak, not the sum
+    # (edge_spec.budget.one_arena says when; BENCHMARKS.md, "One arena").
+    shared_arena: bool = False
 
 
     def __post_init__(self):
@@ -189,8 +193,21 @@ def provider_options(provider: str, config: SessionConfig) -> dict[str, str]:
     return {}
 
 
+_CPU_ARENA: list = []  # the shared arena's OrtMemoryInfo, registered once per process
+
+
+def _shared_cpu_arena() -> None:
+    if not _CPU_ARENA:
+        info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+        ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))  # ORT's defaults
+        _CPU_ARENA.append(info)
+
+
 def session_options(provider: str, config: SessionConfig) -> ort.SessionOptions:
     options = ort.SessionOptions()
+    if provider == "cpu" and config.shared_arena:
+        _shared_cpu_arena()
+        options.add_session_config_entry("session.use_env_allocators", "1")
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     # DirectML requires sequential execution; it is ORT's default for the other providers too.
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL

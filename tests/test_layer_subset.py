@@ -230,9 +230,9 @@ def test_export_plan_reads_every_form(folders):
     plans = {spec: plan_export(facts, "fp32", 64, (spec,), {}) for spec in ("layer-skip:3", SUBSET, "layer-skip:auto")}
     for plan in plans.values():
         assert plan.part("weights layer_skip") == 0 and plan.part("KV layer_skip") == 0
-    # One workspace per session with layers: 2 for a prefix, 5 for the subset, auto planned at its most (7).
-    workspace = {spec: plan.part("workspace") for spec, plan in plans.items()}
-    assert workspace["layer-skip:3"] * 5 == workspace[SUBSET] * 2 and workspace["layer-skip:auto"] * 5 == workspace[SUBSET] * 7
+    # The stages share one arena: a subset's extra sessions add no workspace.
+    assert len({plan.part("workspace") for plan in plans.values()}) == 1
+    assert "one arena for 5 session(s)" in next(p.note for p in plans[SUBSET].parts if p.name == "workspace")
     with pytest.raises(ls.LayerSpecError, match="keep layer 0"):
         plan_export(facts, "fp32", 64, ("layer-skip:1-3",), {})
 
@@ -337,10 +337,42 @@ def test_export_cli_refuses_bad_layer_skip_specs(folders, tmp_path, extra, words
     assert not (tmp_path / "b").exists()
 
 
-def test_phone_packaging_refuses_a_subset_draft(subset_bundle):
-    """The Kotlin core runs a layer-skip draft as first stage then head; a subset bundle is refused by name."""
+def test_phone_packaging_takes_a_portable_subset_draft(subset_bundle):
+    """The Kotlin core runs a subset draft's kept stages (its golden traces replay one), so packaging
+    takes a portable subset bundle with no file of its own for the draft and KV for the target
+    only, and refuses a fused one for its attention, as any fused bundle."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "android_bridge" / "tools"))
     import package_bundle as pb
 
-    with pytest.raises(pb.PackageError, match="runs prefix drafts only"):
-        pb.plan(subset_bundle, ["layer_skip", "target"])
+    if subset_bundle.name.endswith("fused"):
+        with pytest.raises(pb.PackageError, match="fused-attention stages"):
+            pb.plan(subset_bundle, ["layer_skip", "target"])
+        return
+    both, alone = pb.plan(subset_bundle, ["layer_skip", "target"]), pb.plan(subset_bundle, ["target"])
+    manifest = both["manifest"]
+    assert {manifest.stages[key].file for key in manifest.models["layer_skip"].stages} <= set(alone["files"])
+    assert (both["files"], both["weight_bytes"], both["kv_bytes"]) == (alone["files"], alone["weight_bytes"], alone["kv_bytes"])
+
+
+def _config_entry(session, key: str) -> str | None:
+    try:
+        return session.get_session_options().get_session_config_entry(key)
+    except RuntimeError:  # ORT raises for a key never set
+        return None
+
+
+def test_a_cut_target_shares_one_arena(subset_bundle, folders, tmp_path):
+    """The CPU sessions of a cut target take their activations from one arena (one stage's peak,
+    as the plan counts); an uncut target's keep one each, ONNX Runtime's default."""
+    from edge_spec.budget import one_arena, plan_bundle
+
+    uncut = tmp_path / "uncut"
+    _export(folders["random"], uncut, ())
+    for bundle, shared in ((subset_bundle, True), (uncut, False)):
+        manifest = load_manifest(bundle)
+        assert one_arena(manifest) is shared
+        engine = _engine(bundle)
+        entries = {_config_entry(s, "session.use_env_allocators") for s in engine.target.sessions}
+        assert entries == ({"1"} if shared else {None}), entries
+        note = next(p.note for p in plan_bundle(manifest, bundle, "none").parts if p.name == "workspace")
+        assert ("one arena" in note) is shared, note
