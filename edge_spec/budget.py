@@ -284,7 +284,12 @@ def one_arena(manifest: Manifest) -> bool:
     stage with layers (a layer-skip draft's cut). Those stages run in turn, so one arena needs one
     stage's activations where an arena each keeps every stage's; elsewhere sharing saved little
     and it costs a little decode time (BENCHMARKS.md, "One arena")."""
-    return sum(1 for key in manifest.target.stages if manifest.stages[key].layers) > 1
+    return _cut(sum(1 for key in manifest.target.stages if manifest.stages[key].layers))
+
+
+def _cut(target_layer_sessions: int) -> bool:
+    """The one rule both the runtime (one_arena) and the plan (plan_roles) read."""
+    return target_layer_sessions > 1
 
 
 @dataclass(frozen=True)
@@ -390,7 +395,7 @@ def plan_roles(
     parts.append(Part("logits", logits, f"[{max_gamma + 1}, {target.vocab_size}] float32 + float64 probabilities"))
     loaded = [r for r in roles if r.weights is not None and r.layer_sessions]
     sessions = sum(r.layer_sessions for r in loaded)
-    shared = roles[0].layer_sessions > 1  # one_arena: a cut target
+    shared = _cut(roles[0].layer_sessions)  # as one_arena decides for the runtime
     if shared:
         workspace = max(r.session_workspace(max_gamma) for r in loaded)
     else:
