@@ -12,6 +12,7 @@ python -m benchmarks block_stable_cost BUNDLE [--prompts SPEC] [--tokens N] [--d
 python -m benchmarks gpu_check --out DIR [--bundle DIR] [--reference DIR] ... (benchmarks/gpu_check.py)
 python -m benchmarks gpu_kit --out DIR (--download | --wheel FILE | --no-wheels) [--bundle DIR] ... (benchmarks/gpu_kit.py)
 python -m benchmarks load_run BUNDLE [--waves 3] [--clients 32] [--slow 10] [--oversized 4] [--disconnect 0] [--wrong-keys-from 0] [--out FILE.json]
+python -m benchmarks heap_probe BUNDLE [--waves 30] [--clients 12] [--oversized 4] [--arenas N] [--out FILE.json]
 python -m benchmarks summary DIR... (summary.json from each DIR/results.json of `python -m benchmarks bench`)"""
 
 from __future__ import annotations
@@ -132,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.load_run import main as load_run
 
         return load_run(argv[1:])
+    if argv[:1] == ["heap_probe"]:
+        from benchmarks.heap_probe import main as heap_probe
+
+        return heap_probe(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m benchmarks")
     sub = parser.add_subparsers(dest="command", required=True)
     # Listed for --help only: main() hands `bench` to bench() before parsing.

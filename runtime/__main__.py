@@ -316,6 +316,9 @@ def cmd_serve(args) -> int:
         auth_failures_global=args.auth_failures_global, max_body_bytes=args.max_body_bytes,
         shutdown_timeout=args.shutdown_timeout, access_log=not args.no_access_log,
     )
+    from runtime import heap
+
+    heap.bound_arenas()  # before the sessions start their thread pools, so those share the two arenas too
     model = Model(_engine(args), max_queue=args.max_queue, queue_timeout=args.queue_timeout or None, name=args.model_name)
     try:
         serve(model, args.host, args.port, None, args.insecure, log_level=args.log_level,
@@ -390,13 +393,13 @@ def cmd_check(args) -> int:
 
 def cmd_handoff(args) -> int:
     from runtime.bundle import open_bundle
-    from runtime.handoff import measured_alpha, plan
+    from runtime.handoff import bench_mode, measured_alpha, plan
 
     alphas = measured_alpha(args.bench_results) if args.alpha is None and args.bench_results else None
     bundle = open_bundle(args.bundle, check_hashes=False)
     alpha = args.alpha
     if alphas is not None:
-        mode = "model" if (args.method in ("auto", "draft") and "draft" in bundle.manifest.models) else "lookup"
+        mode = bench_mode(bundle.manifest, args.method)
         if mode not in alphas:
             raise ValueError(f"{args.bench_results} has no α for mode {mode!r} (it has: {', '.join(alphas) or 'none'})")
         alpha = alphas[mode]

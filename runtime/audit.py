@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -311,7 +311,7 @@ def speculative_samples(engine, prompt_ids: list[int], sampling: SamplingConfig,
 
     rows, drafted, samples_drafted, rejections, residual = [], 0, 0, 0, 0
     for i in range(config.samples):
-        seeded = SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p, seed=config.seed + seed_offset + i)
+        seeded = replace(sampling, seed=config.seed + seed_offset + i)  # every other sampling field as asked
         result = engine.generate(prompt_ids, GenerateConfig(config.positions, seeded), speculative=speculative)
         rows.append((result.token_ids + [ENDED] * config.positions)[: config.positions])
         position, sample_drafted = 0, 0

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edge_spec.catalog import CATALOG
+from edge_spec.drafters import ROLE_DRAFTERS, SPECS
 from edge_spec.manifest import Manifest
 from edge_spec.verify import expected_tokens_per_pass
 from runtime.drafters.prompt_lookup import PromptLookupDrafter
@@ -72,6 +73,15 @@ def measured_alpha(results_file: str | Path) -> dict[str, float]:
         elif isinstance(value, list):
             stack.extend(value)
     return {mode: statistics.median(values) for mode, values in by_mode.items()}
+
+
+def bench_mode(manifest: Manifest, method: str) -> str:
+    """The bench mode (a drafter of edge_spec/drafters.py) whose α predicts what the engine will
+    draft with: the draft role's drafter, else the first that copies from this text alone (the
+    engines' n-gram lookup keeps nothing from earlier requests)."""
+    if method in ("auto", "draft") and "draft" in manifest.models:
+        return ROLE_DRAFTERS["draft"]
+    return next(spec.name for spec in SPECS.values() if spec.copies and not spec.remembers)
 
 
 def draft_length(alpha: float, cost_ratio: float) -> int:

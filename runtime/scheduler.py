@@ -12,6 +12,10 @@ chosen and `Scheduler._advance` where that pass runs; with one KV slot (`slots=1
 advances one sequence. Batched decoding (issue 36) gives the Engine N slots and makes
 `_advance` one target pass over every sequence `_next_pass` returned; admission, the line,
 cancellation, abandonment and every caller (runtime.api, the server, the CLI) stay as they are.
+ONNX Runtime's CPU GroupQueryAttention batches one token per sequence exactly but refuses a
+block of several tokens with a past at batch > 1 (tests/test_batched_attention.py), so a pass
+over several sequences' verify blocks shares the weight kernels (rows packed) and keeps one
+attention node per slot.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from runtime import heap
 from runtime.engine import Engine, GenerateConfig, GenerationResult, Prompt
 from runtime.stats import summarize
 
@@ -282,8 +287,11 @@ class Scheduler:
                         break
                     if not self._line and not self._running:
                         self._worker = None
-                        return
+                        break
                     self.cond.wait(self._wait_s())
+            if not batch:
+                heap.release_free()  # the burst is over: what its threads freed goes back
+                return
             self._advance(batch)
 
     def _wait_s(self) -> float:

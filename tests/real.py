@@ -93,6 +93,11 @@ REAL_BUNDLES = {
     "smollm2-pair-int4-d128-trim16k": ("smollm2-135m", "int4", ("smollm2-135m",), 1024, "fused", "cpu"),
     # SmolLM2 re-quantized (export --requantize): beside the default, which keeps the file's blocks.
     "smollm2-int4-requant": ("smollm2-135m", "int4", (), 1024, "fused", "cpu"),
+    # --device coreml (masked graphs, the embedding and LM head in slices within the Core ML EP's
+    # 16384 limit), no draft: the smallest real bundle that meets the limit.
+    "smollm2-coreml-fp32": ("smollm2-135m", "fp32", (), 1024, "masked", "coreml"),
+    # --device dml int4 (masked graphs, float16 activations and KV, MatMulNBits with zero points), no draft.
+    "smollm2-dml-int4": ("smollm2-135m", "int4", (), 1024, "masked", "dml"),
 }
 GGUF_BLOCKS = {"smollm2-int4-requant": False}  # name -> export gguf_blocks (else the default: kept where it can)
 DRAFT_VOCAB = {"smollm2-pair-int4-d128-trim16k": 16384}  # name -> export --draft-vocab

@@ -667,3 +667,18 @@ def test_gamma_config_refuses_what_adaptive_gamma_cannot_use(kwargs):
     """--max-gamma 0 with adaptive γ used to reach np.argmax of an empty list; a negative γ ran."""
     with pytest.raises(ValueError, match="gamma must be 1"):
         GammaConfig(**kwargs)
+
+
+def test_the_loop_drafts_with_the_chosen_part_never_the_selection():
+    """A mixed drafter only selects: its own propose refuses, and the loop asks the part the
+    plan names, so greedy output is the target's with copies and model rounds both taken."""
+    from runtime.drafters.mixed import MixedDrafter
+
+    lm = ToyLM(6)
+    prompt = PROMPT + lm.greedy(PROMPT, 6) + PROMPT  # the prompt's start again: lookup has a match
+    mixed = MixedDrafter([PromptLookupDrafter()], ScriptedDrafter(lm))
+    with pytest.raises(TypeError, match="selects one of its parts"):
+        mixed.propose(np.array(prompt, dtype=np.int64), 2, GREEDY, np.random.default_rng(0))
+    steps, out, _ = _run(lm, mixed, 2, prompt, 30)
+    assert out[:30] == lm.greedy(prompt, 30)
+    assert {"lookup", "scripted"} <= {step.drafter for step in steps}

@@ -238,3 +238,27 @@ def test_cli_generate_goes_through_the_model(llama_bundle, monkeypatch, capsys):
     assert len(submitted) == 1 and list(submitted[0].prompt) == out["prompt_ids"]
     assert submitted[0].config.max_new_tokens == 4
     assert set(out["timings"]) >= {"prefill_ms", "decode_tokens_per_s"} and "queue_s" not in out["timings"]
+
+
+def test_the_worker_gives_the_heap_back_once_a_burst_ends(monkeypatch):
+    import runtime.heap
+
+    released: list[str] = []
+    monkeypatch.setattr(runtime.heap, "release_free", lambda: released.append(threading.current_thread().name) or True)
+    model, engine = scripted(max_queue=4)
+    model.submit(prompt_ids=[0, 1], max_tokens=5).result()
+    wait_until(lambda: model._scheduler._worker is None, "the worker to end")
+    assert len(engine.passes) == 5
+    assert released == [WORKER_NAME]  # once, by the worker, when nothing is left; not per pass
+    model.submit(prompt_ids=[9, 1], max_tokens=1).result()
+    wait_until(lambda: len(released) == 2, "the second burst's release")
+
+
+def test_heap_calls_reach_glibc_here():
+    import sys
+
+    from runtime import heap
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("glibc's malloc_trim and mallopt exist on Linux only")
+    assert heap.bound_arenas(8) and heap.release_free()

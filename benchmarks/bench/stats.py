@@ -9,7 +9,7 @@ from collections import defaultdict
 import numpy as np
 
 from benchmarks.bench.prompts import BenchPrompt
-from edge_spec.drafters import COPIERS, SPECS
+from edge_spec.drafters import COPIERS, ROLE_DRAFTERS, SPECS
 from edge_spec.verify import expected_tokens_per_pass
 from runtime.stats import acceptance_alpha
 
@@ -115,8 +115,9 @@ def run_row(mode: str, prompt: BenchPrompt, repeat: int, result, steps, window: 
     rounds = _rounds(steps)
     alphas = {name: alpha_of(*counts) for name, counts in rounds["by_drafter"].items()}
     plain_t1_s = plain["target_t1_ms"] / 1e3
+    # model_forwards are counted at the draft role's session: they are its drafter's steps.
     step_ms = {
-        name: seconds * 1e3 / (model_forwards if name == "model" and model_forwards else rounds["drafted"][name])
+        name: seconds * 1e3 / (model_forwards if name == ROLE_DRAFTERS["draft"] and model_forwards else rounds["drafted"][name])
         for name, seconds in rounds["draft_s"].items()
     }
     costs = {name: ms / 1e3 / plain_t1_s for name, ms in step_ms.items()}

@@ -119,7 +119,13 @@ class CatchesUp(CostsPasses):
 
 
 class Selects(Drafter):
-    """A drafter made of parts, one of which drafts each round (the policy asks which)."""
+    """A drafter made of parts, one of which drafts each round (the policy asks which). It is a
+    selection, not a proposer: the loop calls propose on the part the policy's plan names."""
+
+    def propose(self, tokens, gamma, sampling, rng):
+        # Drafting with a fixed part here would bypass the policy's choice and its α per part.
+        raise TypeError(f"{self.name!r} selects one of its parts per round (RoundPolicy.choose); "
+                        "call propose on the chosen part (Plan.drafter), not on the selection")
 
     @abstractmethod
     def parts(self) -> list[Drafter]:

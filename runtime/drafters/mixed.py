@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from runtime.drafters.base import Drafter, Selects
 from runtime.drafters.prompt_lookup import PromptLookupDrafter
+from runtime.drafters.suffix import SuffixDrafter
 
 
 class MixedDrafter(Selects):
@@ -11,7 +12,7 @@ class MixedDrafter(Selects):
     copier that has a match is a candidate, so the policy weighs every kind of copy by its own
     α against the model's round: a copier added can only widen the choice."""
 
-    def __init__(self, copiers: list[PromptLookupDrafter], model: Drafter | None, name: str = "auto"):
+    def __init__(self, copiers: list[PromptLookupDrafter | SuffixDrafter], model: Drafter | None, name: str = "auto"):
         self.copiers = list(copiers)
         self.model = model
         self.name = name
@@ -25,9 +26,6 @@ class MixedDrafter(Selects):
 
     def parts(self):
         return self.copiers + ([self.model] if self.model is not None else [])
-
-    def propose(self, tokens, gamma, sampling, rng):
-        return self.candidates(tokens)[0].propose(tokens, gamma, sampling, rng)
 
     def accepted(self, tokens, n_accepted):
         for part in self.parts():

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from runtime.drafters.base import Drafter, Proposal
 from runtime.drafters.prompt_lookup import PromptLookupDrafter, match_class
 from runtime.gamma import MAX_GAMMA
 
@@ -144,7 +145,7 @@ class SuffixIndex:
 EARLIER = 8  # evidence classes of copies from earlier requests start here (the request's own: 1–5)
 
 
-class SuffixDrafter(PromptLookupDrafter):
+class SuffixDrafter(Drafter):
     """Prompt lookup over this sequence and a suffix index of the sequences before it: each
     sequence goes into the index when the next one starts. With own_text False it drafts only
     where an earlier request matches longer than this one's own text, leaving the rest to a
@@ -153,7 +154,8 @@ class SuffixDrafter(PromptLookupDrafter):
     name = "suffix"
 
     def __init__(self, index: SuffixIndex, own_text: bool = True):
-        super().__init__(min_ngram=index.settings.key_len)
+        # Measures the request's own match, against which a copy from earlier requests must win.
+        self.lookup = PromptLookupDrafter(min_ngram=index.settings.key_len)
         self.index = index
         self.own_text = own_text
         self._seen: np.ndarray | None = None  # the committed tokens of the sequence under way
@@ -185,7 +187,7 @@ class SuffixDrafter(PromptLookupDrafter):
                 # Earlier requests alone: where they match no longer than this request's own
                 # text, the round is the prompt lookup's beside it.
                 drafted, matched = self.index.continuation(tokens, MAX_GAMMA)
-                self._copied = (key, drafted, matched) if matched > self.match(tokens)[1] else (key, [], 0)
+                self._copied = (key, drafted, matched) if matched > self.lookup.match(tokens)[1] else (key, [], 0)
         return self._copied[1], self._copied[2]
 
     def find(self, tokens, gamma):
@@ -198,6 +200,10 @@ class SuffixDrafter(PromptLookupDrafter):
         kind of evidence, so the policy learns its α apart and drafts with the model instead
         where such copies fail."""
         tokens = np.asarray(tokens, dtype=np.int64)
-        own = self.match(tokens)[1]
+        own = self.lookup.match(tokens)[1]
         best = self._continuation(tokens)[1]
         return match_class(best) + (EARLIER if best > own else 0)
+
+    def propose(self, tokens, gamma, sampling, rng):
+        continuation = self.find(tokens, gamma)
+        return Proposal(continuation, None) if len(continuation) else None

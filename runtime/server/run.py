@@ -8,6 +8,7 @@ import logging
 import socket
 import sys
 
+from runtime import heap
 from runtime.api import Model
 from runtime.server.app import Server
 from runtime.server.config import ServerConfig, is_loopback
@@ -68,6 +69,7 @@ def serve(model: Model, host: str = "127.0.0.1", port: int = 8000, api_key: str 
     """Serve until SIGINT/SIGTERM; running generations get config.shutdown_timeout to finish."""
     config = dataclasses.replace(config or ServerConfig(), host=host)
     check_bind(host, api_key or list(api_keys), insecure)
+    heap.bound_arenas()  # the event loop, parsing and worker threads share two malloc arenas
     server = Server(model, model_id=model_id, api_key=api_key, api_keys=api_keys, config=config)
     if config.access_log and not access_log.handlers:
         handler = logging.StreamHandler(sys.stderr)

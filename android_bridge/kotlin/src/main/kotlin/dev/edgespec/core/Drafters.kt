@@ -190,8 +190,9 @@ class MixedDrafter(val lookup: PromptLookupDrafter, val model: Drafter?) : Draft
         else -> listOf(model)
     }
     override fun parts(): List<Drafter> = listOfNotNull(lookup, model)
-    override fun propose(tokens: LongArray, gamma: Int, sampling: SamplingConfig, rng: UniformSource) =
-        candidates(tokens)[0].propose(tokens, gamma, sampling, rng)
+    // Drafting with a fixed part here would bypass the policy's choice and its α per part.
+    override fun propose(tokens: LongArray, gamma: Int, sampling: SamplingConfig, rng: UniformSource): Proposal? =
+        throw IllegalStateException("'$name' selects one of its parts per round (RoundPolicy.choose): call propose on Plan.drafter")
     override fun accepted(tokens: LongArray, nAccepted: Int) { parts().forEach { it.accepted(tokens, nAccepted) } }
     override fun reset(tokens: LongArray) { parts().forEach { it.reset(tokens) } }
 }
