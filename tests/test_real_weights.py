@@ -104,37 +104,13 @@ def test_qwen_1_5b_residuals_stay_finite_in_the_coreml_float16_norm():
     (largest about 3.3k here) fit float16 and so does their mean square (about 1.6e4, unlike
     SmolLM2's), but their squares do not: the Pow form overflows in most norms; today's scaled
     form stays finite in all and matches the float32 norm."""
-    from export.static_cache import StageModule
-    import tiny
-    from tests.test_coreml_norms import F16_MAX, _f16, _norm_graph, assert_matches_float32_norm, evaluate_float16
+    from tests.test_coreml_norms import F16_MAX
 
     real.need(real.QWEN_TARGET)
-    torch, model, tokenizer = _hf(real.QWEN_TARGET)
-    captured = []
-    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
-    hooks = [m.register_forward_pre_hook(lambda m, args: captured.append((m, args[0].detach()))) for m in norms]
-    try:
-        with torch.no_grad():
-            model(**tokenizer(RAW_PROMPTS[0], return_tensors="pt"))
-    finally:
-        for hook in hooks:
-            hook.remove()
-    hidden, eps = model.config.hidden_size, model.config.rms_norm_eps
-    assert len(captured) == 2 * model.config.num_hidden_layers + 1
+    captured, old_finite = _residuals_through_coreml_norms(real.QWEN_TARGET, RAW_PROMPTS[0])
     largest = max(float(x.abs().max()) for _, x in captured)
     mean_square = max(float(x.double().square().mean(-1).max()) for _, x in captured)
     assert F16_MAX**0.5 < largest < F16_MAX and mean_square < F16_MAX  # squares past float16's range, the values and their mean within it
-    with tiny.coreml_norms_squared_in_float16():
-        old = _norm_graph(StageModule._scaled_rms_norm, hidden, eps, torch)
-    new = _norm_graph(StageModule._scaled_rms_norm, hidden, eps, torch)
-    old_finite = []
-    for norm, x in captured:
-        x, weight = _f16(x.numpy()), _f16(norm.weight.detach().numpy())
-        old_finite.append(evaluate_float16(old.node, {}, {"x": x, "w": weight})[1])
-        for accumulate, rtol in (("exact", 4e-3), ("float16", 1e-2)):
-            values, finite = evaluate_float16(new.node, {}, {"x": x, "w": weight}, accumulate)
-            assert finite
-            assert_matches_float32_norm(values["y"], x, weight, eps, rtol)
     assert old_finite.count(False) > len(captured) // 2, old_finite  # 53 of 57 when written
 
 
@@ -163,23 +139,35 @@ def test_smollm2_residuals_stay_finite_in_the_coreml_float16_norm():
     through its norms as traced for --device coreml --quant fp16, evaluated in float16
     arithmetic: the Pow form overflows, today's scaled form stays finite and matches the
     float32 norm. Next to the other SmolLM2 tests: the dequantized model is loaded once."""
-    from export.static_cache import StageModule
-    import tiny
-    from tests.test_coreml_norms import F16_MAX, _f16, _norm_graph, assert_matches_float32_norm, evaluate_float16
+    from tests.test_coreml_norms import F16_MAX
 
     real.need(real.SMOLLM2)
-    torch, model, tokenizer = _hf(real.SMOLLM2)
+    captured, old_finite = _residuals_through_coreml_norms(real.SMOLLM2, "The three primary colors are")
+    assert max(float(x.abs().max()) for _, x in captured) > F16_MAX**0.5  # squares past float16's range (BENCHMARKS.md: about 25k)
+    assert not all(old_finite)
+
+
+def _residuals_through_coreml_norms(source, prompt: str) -> tuple[list, list[bool]]:
+    """Every RMS norm's input of `source` in transformers on `prompt`, each through the norm as
+    traced for --device coreml --quant fp16 in float16 arithmetic: asserts today's scaled form
+    finite and equal to the float32 norm (exact and float16 means); returns the inputs and
+    whether the old float16-squared form stayed finite on each."""
+    from export.static_cache import StageModule
+    import tiny
+    from tests.test_coreml_norms import _f16, _norm_graph, assert_matches_float32_norm, evaluate_float16
+
+    torch, model, tokenizer = _hf(source)
     captured = []
     norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
     hooks = [m.register_forward_pre_hook(lambda m, args: captured.append((m, args[0].detach()))) for m in norms]
     try:
         with torch.no_grad():
-            model(**tokenizer("The three primary colors are", return_tensors="pt"))
+            model(**tokenizer(prompt, return_tensors="pt"))
     finally:
         for hook in hooks:
             hook.remove()
+    assert len(captured) == 2 * model.config.num_hidden_layers + 1
     hidden, eps = model.config.hidden_size, model.config.rms_norm_eps
-    assert max(float(x.abs().max()) for _, x in captured) > F16_MAX**0.5  # squares past float16's range (BENCHMARKS.md: about 25k)
     with tiny.coreml_norms_squared_in_float16():
         old = _norm_graph(StageModule._scaled_rms_norm, hidden, eps, torch)
     new = _norm_graph(StageModule._scaled_rms_norm, hidden, eps, torch)
@@ -191,7 +179,7 @@ def test_smollm2_residuals_stay_finite_in_the_coreml_float16_norm():
             values, finite = evaluate_float16(new.node, {}, {"x": x, "w": weight}, accumulate)
             assert finite
             assert_matches_float32_norm(values["y"], x, weight, eps, rtol)
-    assert not all(old_finite)
+    return captured, old_finite
 
 
 def test_smollm2_coreml_profile_slices_what_the_core_ml_ep_would_refuse():
