@@ -13,6 +13,8 @@ python -m benchmarks gpu_check --out DIR [--bundle DIR] [--reference DIR] ... (b
 python -m benchmarks gpu_kit --out DIR (--download | --wheel FILE | --no-wheels) [--bundle DIR] ... (benchmarks/gpu_kit.py)
 python -m benchmarks load_run BUNDLE [--waves 3] [--clients 32] [--slow 10] [--oversized 4] [--disconnect 0] [--wrong-keys-from 0] [--out FILE.json]
 python -m benchmarks heap_probe BUNDLE [--waves 30] [--clients 12] [--oversized 4] [--arenas N] [--out FILE.json]
+python -m benchmarks serve_clients BUNDLE [--servers auto:1,none:1,none:4] [--clients 1,2,4] [--prompts SPEC] [--max-tokens 128] [--rounds 2] [--out FILE.json]
+python -m benchmarks batch_curve BUNDLE [--batch 1,2,4,8] [--kv-len 512] [--repeats 20] [--prompts SPEC] [--decode 64] [--out FILE.json]
 python -m benchmarks summary DIR... (summary.json from each DIR/results.json of `python -m benchmarks bench`)"""
 
 from __future__ import annotations
@@ -137,6 +139,14 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.heap_probe import main as heap_probe
 
         return heap_probe(argv[1:])
+    if argv[:1] == ["serve_clients"]:
+        from benchmarks.serve_clients import main as serve_clients
+
+        return serve_clients(argv[1:])
+    if argv[:1] == ["batch_curve"]:
+        from benchmarks.batch_curve import main as batch_curve
+
+        return batch_curve(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m benchmarks")
     sub = parser.add_subparsers(dest="command", required=True)
     # Listed for --help only: main() hands `bench` to bench() before parsing.

@@ -39,13 +39,14 @@ def _prompts(n: int) -> list[str]:
     return [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(6 + i % 5)) for i in range(n)]
 
 
-def start_server(bundle: str, args: argparse.Namespace) -> tuple[subprocess.Popen, int]:
+def start_server(bundle: str, args: argparse.Namespace, extra: list[str] = ()) -> tuple[subprocess.Popen, int]:
     cmd = [sys.executable, "-m", "runtime", "serve", bundle, "--provider", args.provider, "--port", "0",
            "--max-queue", str(args.max_queue), "--queue-timeout", "600", "--draft", args.draft, "--no-access-log",
            *(["--block-stable"] if args.block_stable else []), "--header-timeout", str(args.header_timeout), "--body-timeout", str(args.body_timeout),
            *(["--api-key", args.key] if args.key else [])]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
+    cmd += list(extra)
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: queue.Queue = queue.Queue()

@@ -445,12 +445,14 @@ def split_stored(size: int, quant: str, vocab_rows: int, hidden_size: int, head_
 
 def plan_bundle(
     manifest: Manifest, bundle_dir: str | Path, drafter: str = "auto", budget: int | None = None,
-    max_gamma: int = DEFAULT_MAX_GAMMA, context: int | None = None,
+    max_gamma: int = DEFAULT_MAX_GAMMA, context: int | None = None, parallel: int = 1,
 ) -> Plan:
     """The plan for running a written bundle with a drafter (none, lookup, model, layer-skip,
     auto), from its manifest and the sizes of its files; nothing is loaded. context: plan for
     that many tokens in use instead of the full max context (KV rows and embedding rows are
-    backed as they are used)."""
+    backed as they are used). parallel: sequences decoding at once; above 1 the target's KV
+    slots for them (runtime/batch.py: a KV slot per sequence beside the Engine's own buffers)
+    and their batched logits rows."""
     bundle_dir = Path(bundle_dir)
     roles, seen = [], set()
     for role in drafter_roles(manifest, drafter):
@@ -470,7 +472,37 @@ def plan_bundle(
     tokenizer_file = bundle_dir / manifest.tokenizer.file
     tokenizer_size = tokenizer_file.stat().st_size
     note = f"{manifest.tokenizer.file} {format_size(tokenizer_size)} x {TOKENIZER_FACTOR} (measured)"
-    return plan_roles(roles, round(tokenizer_size * TOKENIZER_FACTOR), drafter, budget, max_gamma, str(bundle_dir), note, context)
+    plan = plan_roles(roles, round(tokenizer_size * TOKENIZER_FACTOR), drafter, budget, max_gamma, str(bundle_dir), note, context)
+    if parallel > 1:
+        arch = manifest.target.arch
+        rows = arch.max_context if context is None else min(context, arch.max_context)
+        slots = Part("KV slots", parallel * kv_bytes(arch, context),
+                     f"{parallel} sequences batched x {arch.n_layers} layers x 2 x {arch.n_kv_heads} KV heads x {rows} x {arch.head_dim} x {arch.kv_dtype}")
+        logits = Part("batched logits", parallel * arch.vocab_size * (4 + 4), f"[{parallel}, {arch.vocab_size}] float32, in the head session's arena and as numpy")
+        plan = dataclasses.replace(plan, parts=(*plan.parts, slots, logits))
+    return plan
+
+
+def check_parallel(manifest: Manifest, bundle_dir: str | Path, drafter: str, budget: int | None, parallel: int,
+                   max_gamma: int = DEFAULT_MAX_GAMMA) -> None:
+    """BudgetError unless `parallel` sequences at once fit `budget`, naming the most that do."""
+    if budget is None or parallel <= 1:
+        return
+    plan = plan_bundle(manifest, bundle_dir, drafter, budget, max_gamma, parallel=parallel)
+    if not plan.fits:
+        most = largest_parallel(manifest, bundle_dir, drafter, budget, max_gamma, limit=parallel)
+        raise BudgetError(f"memory budget {format_size(budget)} is too small for {parallel} sequences at once "
+                          f"({format_size(plan.total_bytes)}); the most that fit: {most}", plan)
+
+
+def largest_parallel(manifest: Manifest, bundle_dir: str | Path, drafter: str, budget: int, max_gamma: int = DEFAULT_MAX_GAMMA, limit: int = 256) -> int:
+    """The most sequences decoding at once whose plan fits `budget` (0: not even one)."""
+    best = 0
+    for n in range(1, limit + 1):
+        if not plan_bundle(manifest, bundle_dir, drafter, budget, max_gamma, parallel=n).fits:
+            break
+        best = n
+    return best
 
 
 # -- planning an export ------------------------------------------------------------------

@@ -75,18 +75,20 @@ def trace_stage(stage: StageModule, layers: range, max_context: int, hidden_size
     input_names = names.stage_inputs(stage.embed, stage.head, layers, stage.attention)
     output_names = names.stage_outputs(stage.head, layers, stage.attention)
     block = 3  # any T > 1 so the exporter keeps T symbolic
+    # Fused graphs take a batch of sequences (batched decoding, one KV slot each): B > 1 keeps it symbolic too.
+    batch = 2 if stage.attention == "fused" else 1
     kv_len = 2
     example = {
-        names.INPUT_IDS: torch.zeros((1, block), dtype=torch.int64),
-        names.HIDDEN_IN: torch.zeros((1, block, hidden_size), dtype=torch.float32),
+        names.INPUT_IDS: torch.zeros((batch, block), dtype=torch.int64),
+        names.HIDDEN_IN: torch.zeros((batch, block, hidden_size), dtype=torch.float32),
         names.KV_LEN: torch.tensor([kv_len], dtype=torch.int64),
-        names.SEQLENS_K: torch.tensor([kv_len + block - 1], dtype=torch.int32),
+        names.SEQLENS_K: torch.tensor([kv_len + block - 1] * batch, dtype=torch.int32),
         names.TOTAL_SEQ_LEN: torch.tensor(kv_len + block, dtype=torch.int32),
         names.POSITION_IDS: torch.arange(kv_len, kv_len + block, dtype=torch.int64),
         names.ATTENTION_BIAS: torch.from_numpy(names.position_feeds([names.POSITION_IDS], kv_len, block, max_context)[names.ATTENTION_BIAS]),
         names.LOGIT_POSITIONS: torch.arange(block, dtype=torch.int64),
     }
-    kv_shape = (1, stage.n_kv_heads, max_context, stage.head_dim)
+    kv_shape = (batch, stage.n_kv_heads, max_context, stage.head_dim)
     args = []
     for name in input_names:
         args.append(example[name] if name in example else torch.zeros(kv_shape, dtype=torch.float32))
@@ -95,6 +97,11 @@ def trace_stage(stage: StageModule, layers: range, max_context: int, hidden_size
     dynamic_axes.update({n: {1: "N"} for n in (names.LOGITS,)})
     dynamic_axes.update({names.HIDDEN_OUT: {1: "T"}})
     dynamic_axes.update({n: {2: "T"} for n in output_names if n.startswith("new_")})
+    if batch > 1:
+        for name in (names.INPUT_IDS, names.HIDDEN_IN, names.HIDDEN_OUT, names.LOGITS):
+            dynamic_axes[name] = {0: "B", **dynamic_axes[name]}
+        dynamic_axes[names.SEQLENS_K] = {0: "B"}
+        dynamic_axes.update({n: {0: "B"} for n in (*input_names, *output_names) if n.startswith(("past_", "present_"))})
     dynamic_axes = {k: v for k, v in dynamic_axes.items() if k in input_names or k in output_names}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

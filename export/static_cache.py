@@ -31,39 +31,40 @@ from edge_spec import names, placement
 class _GroupQueryAttention(torch.autograd.Function):
     """Traces to com.microsoft GroupQueryAttention; forward computes the same thing in torch.
 
-    q [1,T,H*D], k/v [1,T,KVH*D] before rotary; past [1,KVH,MAX,D]; seqlens_k int32 [1] =
+    q [B,T,H*D], k/v [B,T,KVH*D] before rotary; past [B,KVH,MAX,D]; seqlens_k int32 [B] =
     kv_len+T-1; total_len int32 scalar = kv_len+T; cos/sin [MAX,D/2]; window W > 0 keeps the
     last W positions (the node's local_window_size is W: matched against transformers in tests).
-    Returns the attention output [1,T,H*D] and the past buffers with rows kv_len..kv_len+T-1
-    replaced (present).
+    Returns the attention output [B,T,H*D] and the past buffers with rows kv_len..kv_len+T-1
+    replaced (present). forward (the trace) gives every sequence of the batch the same kv_len;
+    the node takes each one's from seqlens_k (one token per sequence when B > 1 with a past).
     """
 
     @staticmethod
     def forward(ctx, q, k, v, past_key, past_value, seqlens_k, total_len, cos_cache, sin_cache, n_heads, n_kv_heads, scale, window):
-        block = q.shape[1]
+        batch, block = q.shape[0], q.shape[1]
         head_dim = past_key.shape[-1]
         kv_len = int(total_len) - block
         cos = torch.cat([cos_cache, cos_cache], dim=-1)[kv_len : kv_len + block][None, None]  # [1,1,T,D]
         sin = torch.cat([sin_cache, sin_cache], dim=-1)[kv_len : kv_len + block][None, None]
-        q = q.view(1, block, n_heads, head_dim).transpose(1, 2)  # [1,H,T,D]
-        k = k.view(1, block, n_kv_heads, head_dim).transpose(1, 2)  # [1,KVH,T,D]
-        v = v.view(1, block, n_kv_heads, head_dim).transpose(1, 2)
+        q = q.view(batch, block, n_heads, head_dim).transpose(1, 2)  # [B,H,T,D]
+        k = k.view(batch, block, n_kv_heads, head_dim).transpose(1, 2)  # [B,KVH,T,D]
+        v = v.view(batch, block, n_kv_heads, head_dim).transpose(1, 2)
         q = q * cos + StageModule._rotate_half(q) * sin
         k = k * cos + StageModule._rotate_half(k) * sin
         present_key, present_value = past_key.clone(), past_value.clone()
         present_key[:, :, kv_len : kv_len + block] = k
         present_value[:, :, kv_len : kv_len + block] = v
         group = n_heads // n_kv_heads
-        keys = present_key[:, :, : kv_len + block].repeat_interleave(group, dim=1)  # [1,H,L,D]
+        keys = present_key[:, :, : kv_len + block].repeat_interleave(group, dim=1)  # [B,H,L,D]
         values = present_value[:, :, : kv_len + block].repeat_interleave(group, dim=1)
-        scores = torch.matmul(q, keys.transpose(2, 3)) * scale  # [1,H,T,L]
+        scores = torch.matmul(q, keys.transpose(2, 3)) * scale  # [B,H,T,L]
         query_pos = (kv_len + torch.arange(block))[:, None]
         key_pos = torch.arange(kv_len + block)[None, :]
         visible = key_pos <= query_pos  # [T,L]
         if window:
             visible = visible & (query_pos - key_pos < window)
         probs = torch.softmax(scores.masked_fill(~visible, torch.finfo(scores.dtype).min), dim=-1)
-        out = torch.matmul(probs, values).transpose(1, 2).reshape(1, block, n_heads * head_dim)  # [1,T,H*D]
+        out = torch.matmul(probs, values).transpose(1, 2).reshape(batch, block, n_heads * head_dim)  # [B,T,H*D]
         return out, present_key, present_value
 
     @staticmethod
@@ -100,9 +101,10 @@ class StageModule(nn.Module):
     architecture (export.archs), with optional embedding in front and final norm + LM head behind.
 
     forward(x, position, logit_positions, *past) -> (logits | hidden, KV outputs ...)
-    position is kv_len [1] (portable), (seqlens_k [1], total_seq_len []) int32 (fused) or
+    position is kv_len [1] (portable), (seqlens_k [B], total_seq_len []) int32 (fused) or
     (position_ids [T], attention_bias [T, MAX+T]) (masked); past is
-    past_key.i, past_value.i for each layer i, each [1, kv_heads, max_context, head_dim].
+    past_key.i, past_value.i for each layer i, each [B, kv_heads, max_context, head_dim]. B is 1
+    but in fused graphs, which take a batch of sequences (one slot of KV buffers each).
     fused_norm: RMS norms as one SimplifiedLayerNormalization node (float16 profiles).
     head_tokens: the LM-head rows to keep, in order (a trimmed draft head); None: the first vocab_rows.
     """
@@ -223,7 +225,7 @@ class StageModule(nn.Module):
         return weight * (u / torch.sqrt((u * u).mean(-1, keepdim=True) + floor * floor))
 
     def project(self, layer, x, norm=None):
-        """q [1,T,H*D], k and v [1,T,KVH*D] before rotary, q/k normed per head where the family does."""
+        """q [B,T,H*D], k and v [B,T,KVH*D] before rotary, q/k normed per head where the family does."""
         attn = layer.self_attn
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         if self.spec.fused_qkv:
@@ -233,8 +235,10 @@ class StageModule(nn.Module):
             q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
         if self.spec.qk_norm:
             norm = norm or self._rms_norm
-            q = norm(attn.q_norm, q.view(1, -1, self.n_heads, self.head_dim)).reshape(1, -1, q_size)
-            k = norm(attn.k_norm, k.view(1, -1, self.n_kv_heads, self.head_dim)).reshape(1, -1, kv_size)
+            # Fused graphs take a batch of sequences (its size traced as a shape); the others one.
+            batch = x.shape[0] if self.attention == "fused" else 1
+            q = norm(attn.q_norm, q.view(batch, -1, self.n_heads, self.head_dim)).reshape(batch, -1, q_size)
+            k = norm(attn.k_norm, k.view(batch, -1, self.n_kv_heads, self.head_dim)).reshape(batch, -1, kv_size)
         return q, k, v
 
     def layer_block(self, layer, h, attend, norm=None):

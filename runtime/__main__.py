@@ -299,6 +299,15 @@ def cmd_serve(args) -> int:
     from runtime.server import ServerConfig, check_api_keys, read_api_key_file
 
     # Everything is checked before the (slow) load.
+    if args.parallel > 1 and args.block_stable:
+        raise ValueError("--parallel above 1 is not block-stable (a batched pass computes one row per sequence, block-stable "
+                         "passes two; README, Batched decoding): drop one of them")
+    if args.parallel > 1 and args.memory_budget is not None:
+        from edge_spec.budget import check_parallel
+        from runtime.bundle import open_bundle
+
+        bundle = open_bundle(args.bundle, check_hashes=False)
+        check_parallel(bundle.manifest, bundle.path, args.draft, args.memory_budget, args.parallel, args.max_gamma)
     keys = []
     if args.api_key is not None:
         keys.append(args.api_key)
@@ -319,7 +328,8 @@ def cmd_serve(args) -> int:
     from runtime import heap
 
     heap.bound_arenas()  # before the sessions start their thread pools, so those share the two arenas too
-    model = Model(_engine(args), max_queue=args.max_queue, queue_timeout=args.queue_timeout or None, name=args.model_name)
+    model = Model(_engine(args), max_queue=args.max_queue, queue_timeout=args.queue_timeout or None, name=args.model_name,
+                  parallel=args.parallel)
     try:
         serve(model, args.host, args.port, None, args.insecure, log_level=args.log_level,
               announce=lambda line: print(line, flush=True), config=config, api_keys=keys)
@@ -348,7 +358,7 @@ def cmd_plan(args) -> int:
     max_context = bundle.manifest.target.arch.max_context
     if args.context is not None and args.context > max_context:
         raise ValueError(f"--context {args.context} is more than the bundle's max context of {max_context} tokens")
-    plan = plan_bundle(bundle.manifest, bundle.path, args.draft, args.memory_budget, args.max_gamma, args.context)
+    plan = plan_bundle(bundle.manifest, bundle.path, args.draft, args.memory_budget, args.max_gamma, args.context, args.parallel)
     print(json.dumps(plan.to_dict()) if args.json else plan.table())
     return 0 if plan.fits else 1
 
@@ -460,6 +470,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--allowed-origin", action="append", default=[], metavar="URL",
                        help="let browser pages from this origin call the server (CORS), e.g. http://localhost:3000; repeatable")
     serve.add_argument("--max-queue", type=_integer(0, 100_000), default=16, help="requests that may wait for the engine; more get 429")
+    serve.add_argument("--parallel", type=_integer(1, 256), default=1,
+                       help="requests decoding at once (default 1): above 1, those decoding plainly (--draft none, or a request's "
+                       "speculation drafter none) share each target pass, one KV slot each; a request with a drafter decodes "
+                       "beside them, one at a time (README, Batched decoding)")
     serve.add_argument("--queue-timeout", type=_number(0.0), default=300.0, help="seconds a request may wait before a 503 (0: no limit)")
     serve.add_argument("--header-timeout", type=_number(0.0, low_open=True), default=10.0, help="seconds to send request headers (default 10)")
     serve.add_argument("--body-timeout", type=_number(0.0, low_open=True), default=30.0, help="seconds to send a request body (default 30)")
@@ -499,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--draft", default="auto", choices=DRAFTERS, help="the drafter to plan for (its roles are loaded)")
     plan.add_argument("--max-gamma", type=_integer(1, MAX_GAMMA), default=8, help="longest draft: verify blocks take max-gamma+1 tokens")
     plan.add_argument("--context", type=_integer(1), help="plan for this many tokens in use (default: the full max context)")
+    plan.add_argument("--parallel", type=_integer(1, 256), default=1, help="sequences decoding at once (serve --parallel; default 1)")
     _memory_budget_arg(plan)
     plan.add_argument("--json", action="store_true", help="one JSON object: parts, total_bytes, budget_bytes, fits")
     plan.set_defaults(func=cmd_plan)

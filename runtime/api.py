@@ -287,7 +287,10 @@ class Model:
     """A loaded bundle with a bounded request queue. Thread-safe; see the module docstring."""
 
     def __init__(self, engine: Engine, *, max_queue: int = 16, queue_timeout: float | None = None, name: str | None = None,
-                 stream_idle_timeout: float | None = 60.0):
+                 stream_idle_timeout: float | None = 60.0, parallel: int = 1):
+        """parallel: sequences decoding at once. Above 1, requests that decode plainly (drafter
+        "none") share each target pass, one KV slot each (runtime/batch.py); a request with a
+        drafter decodes beside them, one such at a time."""
         _check_queue_settings(max_queue, queue_timeout, stream_idle_timeout)
         self.engine = engine
         self.name = name or Path(engine.bundle.path).resolve().name
@@ -295,7 +298,7 @@ class Model:
         # while another request waits, is closed (abandoned but still referenced).
         self._scheduler = Scheduler(engine, max_queue=max_queue, queue_timeout=queue_timeout,
                                     stream_idle_timeout=stream_idle_timeout, on_result=self._record,
-                                    on_queue_timeout=lambda: self._count("queue_timeouts"))
+                                    on_queue_timeout=lambda: self._count("queue_timeouts"), slots=parallel)
         self._closed = False
         self._counters = _Counters()
         for key in ("requests", "rejected", "queue_timeouts", "prompt_tokens", "completion_tokens", "target_passes",
@@ -319,6 +322,7 @@ class Model:
         engine_config: EngineConfig | None = None,
         stream_idle_timeout: float | None = 60.0,
         bundle_sha256: str | None = None,
+        parallel: int = 1,
     ) -> "Model":
         """Open a bundle (validates it, loads the sessions, calibrates γ costs). engine_config,
         when given, replaces the provider..allow_fallback keywords. bundle_sha256: refuse the
@@ -330,8 +334,10 @@ class Model:
         )
         if bundle_sha256 is not None:
             config = dataclasses.replace(config, bundle_sha256=bundle_sha256)
+        if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
+            raise ValueError(f"parallel must be an integer >= 1, got {shown(parallel)}")  # before the (slow) load
         return cls(Engine(bundle, config), max_queue=max_queue, queue_timeout=queue_timeout, name=name,
-                   stream_idle_timeout=stream_idle_timeout)
+                   stream_idle_timeout=stream_idle_timeout, parallel=parallel)
 
     # -- facts ------------------------------------------------------------------------------
 
@@ -363,6 +369,15 @@ class Model:
     @property
     def busy(self) -> bool:
         return self._scheduler.busy
+
+    @property
+    def running(self) -> int:
+        """Requests decoding now (at most `parallel`)."""
+        return self._scheduler.running
+
+    @property
+    def parallel(self) -> int:
+        return self._scheduler.slots
 
     def counters(self) -> dict:
         """Totals since load: requests, rejected, queue_timeouts, prompt/completion tokens,

@@ -17,12 +17,13 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from edge_spec.budget import plan_bundle
+from edge_spec.budget import check_parallel, plan_bundle
 from edge_spec.commit import commit, stop_prefix_len
 from edge_spec.drafters import available_drafters, drafter_spec
 from edge_spec.manifest import BundleError, check_sha256
 from edge_spec.sampling import SamplingConfig, SettingError, shown
-from runtime.drafters.base import Drafter, parts
+from runtime.drafters.base import Drafter, parts, use_clock
+from runtime.batch import batch_round, batched_target
 from runtime.calibration import calibrate, calibrated
 from runtime.gamma import MAX_GAMMA, CostModel, GammaConfig
 from runtime.kv_cache import KVCache
@@ -208,6 +209,71 @@ class GenerationResult:
     speculation: dict = field(default_factory=dict)  # what decoded it: drafter, gamma ("auto" or N), max_gamma
 
 
+class SequenceText:
+    """One sequence's output as its steps arrive: the tokens kept (max_new_tokens, the context,
+    EOS), the text, stop strings, text held back while it may still start one, the stop reason
+    (cancelled: the Event was set), and at the end the result."""
+
+    def __init__(self, engine: "Engine", prompt_ids: list[int], config: GenerateConfig, cancel: threading.Event | None, used: dict):
+        self.engine, self.prompt_ids, self.config, self.cancel, self.used = engine, list(prompt_ids), config, cancel, used
+        self.decoder = StreamDecoder(engine.tokenizer)
+        self.generated: list[int] = []
+        self.steps: list[Step] = []
+        self.text = ""
+        self.shown = 0  # characters of text streamed: the rest may start a stop string
+        self.stop_reason: str | None = None
+        self.began = time.perf_counter()
+        self.first_step_at: float | None = None
+
+    def add(self, step: Step) -> str:
+        """Keep what the step commits; returns the text now safe to show ("" if none)."""
+        if self.first_step_at is None:
+            self.first_step_at = time.perf_counter()
+        self.steps.append(step)
+        config = self.config
+        # A round may commit tokens past where plain decoding would have stopped.
+        room = self.engine.target.cache.max_context - len(self.prompt_ids) - len(self.generated)
+        kept = commit(step.tokens, len(self.generated), config.max_new_tokens, room, self.engine.tokenizer.eos_token_ids,
+                      self.text, config.stop, self.decoder.push)
+        self.generated += kept.tokens
+        self.text, self.stop_reason = kept.text, kept.stop_reason
+        piece = ""
+        if kept.piece:
+            safe = len(self.text) - stop_prefix_len(self.text, config.stop)
+            if safe > self.shown:
+                piece, self.shown = self.text[self.shown : safe], safe
+        if self.stop_reason is None and self.cancel is not None and self.cancel.is_set():
+            self.stop_reason = "cancelled"
+        return piece
+
+    def finish(self, stop_reason: str | None = None) -> tuple[str, GenerationResult]:
+        """The held-back tail that did not become a stop string, and the result; stop_reason:
+        why it ends, where no step said (cancelled before its next pass)."""
+        self.stop_reason = self.stop_reason or stop_reason
+        tail = self.text[self.shown :]
+        self.shown = len(self.text)
+        result = self.engine._result(self.text, self.prompt_ids, self.generated, self.stop_reason, self.steps, self.began,
+                                     self.first_step_at, time.perf_counter())
+        result.speculation = self.used
+        return tail, result
+
+
+@dataclass(eq=False)
+class SlotSequence:
+    """A sequence decoding in one KV slot of Engine.batched (Engine.slot_sequence): one row of
+    the batched plain passes, or, while it holds the Engine's drafter, speculative rounds of its
+    own where the policy prices them above its row in the batch (Engine.advance_slots)."""
+
+    slot: int
+    prompt_ids: list[int]
+    config: GenerateConfig
+    rng: np.random.Generator
+    out: SequenceText
+    kind: str = "none"  # the drafter it speculates with when it holds the Engine's ("none": plain only)
+    tokens: np.ndarray | None = None  # committed, the last one pending (no row yet); None until prefilled
+    ended: bool = False
+
+
 class Engine:
     """Generation over what a Loader opened; the Loader keeps the bundle, sessions and caches.
     Single-owner: one thread drives it at a time (runtime.api.Model shares one between threads)."""
@@ -227,6 +293,9 @@ class Engine:
         self.costs = CostModel()
         self.policy = RoundPolicy(self.costs)  # α per drafter and γ config for the engine's life
         self._generating = False  # a stream is open: its sequence holds the KV buffers
+        self._batch = None  # runtime.batch.BatchedTarget, made by the first batched generation
+        self._drafting: SlotSequence | None = None  # the slot sequence holding the drafter (advance_slots)
+        self._drafter_of_slot: Drafter | None = None
         if config.calibrate and self.drafter is not None:
             self.calibrate()
 
@@ -380,43 +449,20 @@ class Engine:
     def _stream_owned(self, prompt_ids: list[int], config: GenerateConfig, drafter: Drafter | None, cancel: threading.Event | None = None,
                        gamma: GammaConfig | None = None, kind: str | None = None):
         rng = np.random.default_rng(config.sampling.seed)
-        max_context = self.target.cache.max_context
-        eos = self.tokenizer.eos_token_ids
-        decoder = StreamDecoder(self.tokenizer)
-        generated: list[int] = []
-        steps: list[Step] = []
-        stop_reason = None
-        began = time.perf_counter()
-        first_step_at = None
         gamma = gamma or self.config.gamma_for()
         used = {"drafter": kind or ("none" if drafter is None else self.config.drafter),
                 "gamma": "auto" if gamma.fixed is None else gamma.fixed, "max_gamma": gamma.max_gamma}
         policy = self.policy.start(drafter, config.max_new_tokens, gamma)
-        text = ""
-        shown = 0  # characters of text streamed: the rest may start a stop string
+        out = SequenceText(self, prompt_ids, config, cancel, used)
         for step in decode_steps(self.target, drafter, prompt_ids, config.sampling, rng, policy):
-            if first_step_at is None:
-                first_step_at = time.perf_counter()
-            steps.append(step)
-            # A round may commit tokens past where plain decoding would have stopped.
-            room = max_context - len(prompt_ids) - len(generated)
-            kept = commit(step.tokens, len(generated), config.max_new_tokens, room, eos, text, config.stop, decoder.push)
-            generated += kept.tokens
-            text, stop_reason = kept.text, kept.stop_reason
-            if kept.piece:
-                safe = len(text) - stop_prefix_len(text, config.stop)
-                if safe > shown:
-                    yield text[shown:safe], None
-                    shown = safe
-            if stop_reason is None and cancel is not None and cancel.is_set():
-                stop_reason = "cancelled"
-            if stop_reason is not None:
+            piece = out.add(step)
+            if piece:
+                yield piece, None
+            if out.stop_reason is not None:
                 break
-        if len(text) > shown:  # a held-back tail that did not become a stop string
-            yield text[shown:], None
-        ended = time.perf_counter()
-        result = self._result(text, prompt_ids, generated, stop_reason, steps, began, first_step_at, ended)
-        result.speculation = used
+        tail, result = out.finish()
+        if tail:
+            yield tail, None
         yield "", result
 
     def generate(
@@ -427,6 +473,131 @@ class Engine:
         for _, result in self.stream(prompt_ids, config, speculative, cancel):
             pass
         return result
+
+    def batched(self, n: int):
+        """The target over at least n KV slots of its own (runtime/batch.py), made once and
+        remade larger when asked for more; its sessions are the target's."""
+        if self._batch is None or len(self._batch.slots) < n:
+            check_parallel(self.bundle.manifest, self.bundle.path, self.config.drafter, self.config.memory_budget, n, self.config.max_gamma)
+            self._batch = None  # the old slots go before the new ones are allocated
+            self._batch = batched_target(self.loader, n)
+        return self._batch
+
+    def free_slot(self, prompt_ids, taken: set[int], n: int) -> int:
+        """Of KV slots 0..n-1 not in `taken`, the one whose rows share the longest start with the
+        prompt (an earlier turn of the same chat), else the lowest, which keeps a batch compact."""
+        caches = self.batched(n).slots.caches
+        free = [slot for slot in range(n) if slot not in taken]
+
+        def shared(slot: int) -> int:
+            rows = caches[slot].row_tokens[: caches[slot].kv_len]
+            m = min(len(rows), len(prompt_ids) - 1)
+            same = np.flatnonzero(rows[:m] != np.asarray(prompt_ids[:m], dtype=np.int64))
+            return int(same[0]) if same.size else m
+
+        return max(free, key=lambda slot: (shared(slot), -slot))
+
+    def slot_sequence(self, slot: int, prompt_ids, config: GenerateConfig, cancel: threading.Event | None = None) -> "SlotSequence":
+        """A sequence that decodes in KV slot `slot` of `batched`, advanced with others by
+        `advance_slots`; nothing runs until then. ValueError for a block-stable Engine. A
+        request whose drafter drafts into the target's own KV (layer-skip) decodes plainly
+        here, and its result says so (speculation["drafter"] "none", "asked" the drafter)."""
+        if self.config.block_stable:
+            raise ValueError("batched decoding is not block-stable: a batched pass computes one row per sequence, where "
+                             "block-stable passes compute two (README, \"Batched decoding\")")
+        prompt_ids = self.check_prompt(prompt_ids)
+        self.check_speculation(config.speculation)
+        speculation = config.speculation
+        kind = speculation.drafter if speculation is not None and speculation.drafter is not None else self.config.drafter
+        gamma = self.config.gamma_for(None if speculation is None else speculation.max_gamma)
+        used = {"drafter": kind, "gamma": "auto" if gamma.fixed is None else gamma.fixed, "max_gamma": gamma.max_gamma, "batched": True}
+        if kind != "none" and drafter_spec(kind).draft_role(self.bundle.manifest.default_draft) == "layer_skip":
+            used = {"drafter": "none", "gamma": 0, "max_gamma": 0, "batched": True, "asked": kind}
+            kind = "none"
+        elif kind == "none":
+            used.update(gamma=0, max_gamma=0)
+        return SlotSequence(slot, list(prompt_ids), config, np.random.default_rng(config.sampling.seed),
+                            SequenceText(self, prompt_ids, config, cancel, used), kind)
+
+    def end_slot(self, sequence: "SlotSequence", stop_reason: str) -> tuple[str, GenerationResult]:
+        """End a slot sequence between passes (cancelled): its held-back tail and result; the
+        drafter it held is free for the next."""
+        sequence.ended = True
+        if self._drafting is sequence:
+            self._drafting = None
+        return sequence.out.finish(stop_reason=stop_reason)
+
+    def _drafting_in(self, sequences: list["SlotSequence"]) -> "SlotSequence | None":
+        """The sequence of this pass that holds the drafter: the one that holds it, or, when the
+        drafter is free, the first that speculates (its drafter and policy start on its tokens).
+        One at a time, since the Engine has one of each drafter and one RoundPolicy sequence."""
+        if self._drafting is not None and self._drafting.ended:  # ended outside a pass (failed, withdrawn)
+            self._drafting = None
+        while self._drafting is None:
+            waiting = [s for s in sequences if s.kind != "none"]
+            if not waiting:
+                return None
+            sequence = waiting[0]
+            _, drafter, gamma = self._request_drafter(sequence.config.speculation)
+            if drafter is None:  # a drafter kind that copies nothing on this bundle
+                sequence.kind = "none"
+                continue
+            self.policy.start(drafter, sequence.config.max_new_tokens, gamma)
+            use_clock(drafter, time.perf_counter)
+            drafter.reset(sequence.tokens[:-1])
+            self._drafting, self._drafter_of_slot = sequence, drafter
+        return self._drafting if self._drafting in sequences else None
+
+    def advance_slots(self, sequences: list["SlotSequence"]) -> list[list[tuple[str, GenerationResult | None]]]:
+        """One step of every sequence (runtime/batch.py's batch_round), those prefilled alone
+        first, the first time: the one holding the drafter plays a speculative round of its own
+        where that pays, the rest share one batched target pass. Returns per sequence the (text
+        piece, None) items to stream and, when it ended, ("", result) last; an ended sequence is
+        out of later passes."""
+        target = self.batched(max(s.slot for s in sequences) + 1)
+        for sequence in sequences:
+            if sequence.tokens is None:
+                runner = target.runner(sequence.slot)
+                # Rows the slot holds of this prompt's start (an earlier turn of a chat) are kept.
+                kept = runner.cache.rollback_to_prefix(sequence.prompt_ids[:-1])
+                runner.prefill(sequence.prompt_ids[kept:-1])
+                sequence.tokens = np.asarray(sequence.prompt_ids, dtype=np.int64)
+        steps = batch_round(target, sequences, self._drafting_in(sequences), self._drafter_of_slot, self.policy, self.costs)
+        items = []
+        for sequence, step in zip(sequences, steps):
+            piece = sequence.out.add(step)
+            out = [(piece, None)] if piece else []
+            if sequence.out.stop_reason is not None:
+                tail, result = self.end_slot(sequence, sequence.out.stop_reason)
+                out += ([(tail, None)] if tail else []) + [("", result)]
+            items.append(out)
+        return items
+
+    def generate_batch(self, prompts: list[list[int]], config: GenerateConfig | list[GenerateConfig] = GenerateConfig()) -> list[GenerationResult]:
+        """Several prompts decoded at once (advance_slots): one target pass feeds every unfinished
+        sequence its next token (runtime/batch.py), each sequence with its own settings and
+        seed, so each one's tokens are distributed as its solo decoding's (token for token the
+        same where the batched row equals the 1-row pass's; README, "Batched decoding").
+        config: one for all, or one per prompt; a config without `speculation` decodes plainly,
+        one that names a drafter speculates while it holds the Engine's drafter and that pays."""
+        configs = list(config) if isinstance(config, (list, tuple)) else [config] * len(prompts)
+        if len(configs) != len(prompts) or not prompts:
+            raise ValueError(f"generate_batch takes one or more prompts and one config or one per prompt, got {len(prompts)} and {len(configs)}")
+        sequences = [self.slot_sequence(slot, p, dataclasses.replace(c, speculation=c.speculation or Speculation("none")))
+                     for slot, (p, c) in enumerate(zip(prompts, configs))]
+        self._idle("generate")
+        self._generating = True
+        try:
+            results: dict[int, GenerationResult] = {}
+            while len(results) < len(sequences):
+                running = [s for s in sequences if not s.ended]
+                for sequence, items in zip(running, self.advance_slots(running)):
+                    if sequence.ended:
+                        results[sequence.slot] = items[-1][1]
+            return [results[s.slot] for s in sequences]
+        finally:
+            self._drafting = None
+            self._generating = False
 
     def _result(self, text, prompt_ids, generated, stop_reason, steps: list[Step], began, first_step_at, ended) -> GenerationResult:
         cost_ratio = {name: self.costs.cost_ratio(name) for name in self.costs.draft_step}

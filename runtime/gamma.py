@@ -64,6 +64,7 @@ class CostModel:
         self.target: dict[int, float] = {}
         self.draft_step: dict[str, float] = {}  # by drafter name
         self.replay_token: dict[str, float] = {}  # by drafter name: seconds per token replayed
+        self.batch: dict[int, float] = {}  # by rows: a batched pass feeding one token to each of that many sequences
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.smoothing * (new - old)
@@ -78,6 +79,23 @@ class CostModel:
     def record_replay(self, drafter: str, n_tokens: int, seconds: float) -> None:
         if n_tokens:
             self.replay_token[drafter] = self._ema(self.replay_token.get(drafter), seconds / n_tokens)
+
+    def record_batch(self, rows: int, seconds: float) -> None:
+        self.batch[rows] = self._ema(self.batch.get(rows), seconds)
+
+    def batch_cost(self, rows: int) -> float | None:
+        """Seconds of a batched pass over `rows` sequences (0 for none, a 1-token pass for one),
+        interpolated between measured row counts; None past the largest measured: the pass
+        grows with its rows by an amount only a measurement tells."""
+        if rows <= 1:
+            return rows * self.target_cost(1)
+        if rows in self.batch:
+            return self.batch[rows]
+        known = {1: self.target_cost(1), **self.batch}
+        if rows > max(known):
+            return None
+        ks = sorted(known)
+        return float(np.interp(rows, ks, [known[k] for k in ks]))
 
     def replay_cost(self, drafter: str, n_tokens: int) -> float:
         """Seconds to replay n_tokens the drafter missed; until measured, a draft step each

@@ -23,14 +23,19 @@ class KVCache:
     some layers (a layer-skip draft) before `extend` covers them for all layers.
     """
 
-    def __init__(self, layers: range, n_kv_heads: int, max_context: int, head_dim: int, dtype: str = "float32", device: tuple[str, int] | None = None):
+    def __init__(self, layers: range, n_kv_heads: int, max_context: int, head_dim: int, dtype: str = "float32", device: tuple[str, int] | None = None,
+                 buffers: tuple[dict, dict] | None = None):
         """device: None keeps the buffers in host numpy arrays; ("cuda", id) allocates them on
-        that device as ONNX Runtime OrtValues, which only fused (in-place) graphs can update."""
+        that device as ONNX Runtime OrtValues, which only fused (in-place) graphs can update.
+        buffers: (keys, values) by layer, host arrays [1,KVH,MAX,D] this cache uses instead of
+        allocating its own (a slot of KVSlots)."""
         shape = (1, n_kv_heads, max_context, head_dim)  # [1,KVH,MAX,D]
         self.layers = layers
         self.max_context = max_context
         self.device = device
-        if device is None:
+        if buffers is not None:
+            self.keys, self.values = buffers
+        elif device is None:
             self.keys = {layer: np.zeros(shape, dtype=dtype) for layer in layers}
             self.values = {layer: np.zeros(shape, dtype=dtype) for layer in layers}
         else:
@@ -104,3 +109,38 @@ class KVCache:
 
     def reset(self) -> None:
         self.kv_len = 0
+
+
+class KVSlots:
+    """N sequences' KV buffers side by side, [N,KVH,MAX,D] per layer in host memory, for batched
+    decoding: slot i is a KVCache over rows [i] with its own length and rollback (what a
+    sequence decoding alone uses), and a batched pass binds the first B slots' rows at once."""
+
+    def __init__(self, n: int, layers: range, n_kv_heads: int, max_context: int, head_dim: int, dtype: str = "float32"):
+        if n < 1:
+            raise ValueError(f"KV slots: n must be at least 1, got {n}")
+        shape = (n, n_kv_heads, max_context, head_dim)  # [N,KVH,MAX,D]
+        self.keys = {layer: np.zeros(shape, dtype=dtype) for layer in layers}
+        self.values = {layer: np.zeros(shape, dtype=dtype) for layer in layers}
+        self.caches = tuple(
+            KVCache(layers, n_kv_heads, max_context, head_dim, dtype,
+                    buffers=({l: k[i : i + 1] for l, k in self.keys.items()}, {l: v[i : i + 1] for l, v in self.values.items()}))
+            for i in range(n)
+        )
+        self._ortvalues: dict[tuple[int, int], tuple] = {}
+
+    def __len__(self) -> int:
+        return len(self.caches)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (*self.keys.values(), *self.values.values()))
+
+    def ortvalues(self, layer: int, batch: int) -> tuple:
+        """(key, value) of the first `batch` slots as OrtValues over the buffers' memory."""
+        if (layer, batch) not in self._ortvalues:
+            import onnxruntime as ort
+
+            self._ortvalues[layer, batch] = (ort.OrtValue.ortvalue_from_numpy(self.keys[layer][:batch]),
+                                             ort.OrtValue.ortvalue_from_numpy(self.values[layer][:batch]))
+        return self._ortvalues[layer, batch]

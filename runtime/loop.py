@@ -18,7 +18,7 @@ from edge_spec.sampling import SamplingConfig, process_logits
 from edge_spec.verify import verify_deterministic, verify_greedy, verify_stochastic
 from runtime.drafters.base import Drafter, Proposal, use_clock
 from runtime.model import ModelRunner
-from runtime.policy import Round, RoundPolicy
+from runtime.policy import Plan, Round, RoundPolicy
 
 
 @dataclass(frozen=True)
@@ -66,22 +66,31 @@ def decode_steps(
     target.prefill(tokens[target.cache.kv_len : -1])  # the last prompt token stays pending: every round feeds it first
     while True:
         began = clock()
-        plan = policy.choose(tokens)
-        active = plan.drafter
-        gamma = min(plan.gamma, target.cache.max_context - len(tokens))
-        proposal = active.propose(tokens, gamma, sampling, rng) if gamma > 0 else None
-        drafted_at = clock()
-        block = tokens[-1:] if proposal is None else np.concatenate([tokens[-1:], proposal.tokens])
-        trunk_hidden = None if proposal is None else proposal.trunk_hidden
-        logits = target.forward(block, trunk_hidden=trunk_hidden)  # [γ+1,V]
-        verified_at = clock()
-        n_accepted, next_token = verify(logits, proposal, sampling, rng)
-        new_tokens = np.append(block[1 : 1 + n_accepted], next_token)
-        tokens = np.concatenate([tokens, new_tokens])
-        # tokens[:-1]: the pending token never keeps a row, even if it equals a rejected draft.
-        target.cache.rollback_to_prefix(tokens[:-1])
-        if drafter is not None:
-            drafter.accepted(tokens, n_accepted)
-        done = Round.of(active, gamma, proposal, n_accepted, len(new_tokens), began, drafted_at, verified_at)
-        policy.observe(plan, done)
-        yield Step(tuple(int(t) for t in new_tokens), gamma, done.n_drafted, n_accepted, done.draft_s, done.target_s, done.drafter)
+        tokens, step = play_round(target, drafter, policy.choose(tokens), tokens, sampling, rng, policy, began, clock)
+        yield step
+
+
+def play_round(target: ModelRunner, drafter: Drafter | None, plan: Plan, tokens: np.ndarray, sampling: SamplingConfig,
+               rng: np.random.Generator, policy: RoundPolicy, began: float, clock: Callable[[], float] = time.perf_counter,
+               ) -> tuple[np.ndarray, Step]:
+    """One round on `plan` (the policy chose it at `began`): draft, verify in one target pass,
+    accept, roll back, report the round to the policy. tokens: committed, the last one pending
+    (no row yet); returns them extended by the round's tokens, and its Step."""
+    active = plan.drafter
+    gamma = min(plan.gamma, target.cache.max_context - len(tokens))
+    proposal = active.propose(tokens, gamma, sampling, rng) if gamma > 0 else None
+    drafted_at = clock()
+    block = tokens[-1:] if proposal is None else np.concatenate([tokens[-1:], proposal.tokens])
+    trunk_hidden = None if proposal is None else proposal.trunk_hidden
+    logits = target.forward(block, trunk_hidden=trunk_hidden)  # [γ+1,V]
+    verified_at = clock()
+    n_accepted, next_token = verify(logits, proposal, sampling, rng)
+    new_tokens = np.append(block[1 : 1 + n_accepted], next_token)
+    tokens = np.concatenate([tokens, new_tokens])
+    # tokens[:-1]: the pending token never keeps a row, even if it equals a rejected draft.
+    target.cache.rollback_to_prefix(tokens[:-1])
+    if drafter is not None:
+        drafter.accepted(tokens, n_accepted)
+    done = Round.of(active, gamma, proposal, n_accepted, len(new_tokens), began, drafted_at, verified_at)
+    policy.observe(plan, done)
+    return tokens, Step(tuple(int(t) for t in new_tokens), gamma, done.n_drafted, n_accepted, done.draft_s, done.target_s, done.drafter)

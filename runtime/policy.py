@@ -338,6 +338,21 @@ class RoundPolicy:
         part = max(options, key=lambda p: self.parts[p.name].best_gain(*self._costs_of(p, tokens), evidence[p.name]))
         return replace(self.parts[part.name].choose(*self._costs_of(part, tokens), evidence[part.name]), drafter=part)
 
+    def advanced(self, n_tokens: int) -> None:
+        """The sequence committed n_tokens in passes it shared with other sequences (a batched
+        plain step): counted like a plain round's, their seconds not taken as a 1-token pass's."""
+        for policy in self.parts.values():
+            policy.committed(n_tokens)
+
+    def expected_round(self, plan: Plan) -> tuple[float, float]:
+        """What the chosen round is expected to commit and take: E(α, γ) tokens, and seconds
+        (γ draft steps, the replay, one verify pass over γ+1 tokens)."""
+        if not plan.gamma:
+            return 1.0, self.costs.target_cost(1)
+        part = self.parts[plan.drafter.name]
+        return (expected_tokens_per_pass(part.alpha(plan.evidence), plan.gamma),
+                part.round_cost(plan.gamma, plan.draft_step_s, plan.replay_s))
+
     def _costs_of(self, part: Drafter, tokens) -> tuple[float, float]:
         """Seconds of one draft step of `part` and of its replay before it can draft after `tokens`."""
         step_cost = self.costs.draft_step.get(part.name, 0.0) if part.costs_passes else 0.0

@@ -7,15 +7,16 @@ abandonment, and the one worker thread that drives the Engine.
     scheduler.cancel(sequence) / withdraw(sequence)
 
 The Engine is single-owner and lock-free; the worker is that owner, the one caller of
-Engine.stream, whichever thread or event loop a request came from. `Scheduler._next_pass` is where the sequences of the next target pass are
-chosen and `Scheduler._advance` where that pass runs; with one KV slot (`slots=1`) a pass
-advances one sequence. Batched decoding (issue 36) gives the Engine N slots and makes
-`_advance` one target pass over every sequence `_next_pass` returned; admission, the line,
-cancellation, abandonment and every caller (runtime.api, the server, the CLI) stay as they are.
-ONNX Runtime's CPU GroupQueryAttention batches one token per sequence exactly but refuses a
-block of several tokens with a past at batch > 1 (tests/test_batched_attention.py), so a pass
-over several sequences' verify blocks shares the weight kernels (rows packed) and keeps one
-attention node per slot.
+Engine.stream and Engine.advance_slots, whichever thread or event loop a request came from.
+`Scheduler._next_pass` is where the sequences of the next pass are chosen and `_advance` where it
+runs. With `slots` N > 1 (Model(parallel=N), serve --parallel N), every request takes one of the
+Engine's N KV slots and Engine.advance_slots steps them: one batched target pass feeds each its
+next token (runtime/batch.py), except that the one sequence holding the Engine's drafter plays a
+speculative round of its own where that is priced to commit more tokens a second (alone, it
+always may). ONNX Runtime's CPU GroupQueryAttention batches one token per sequence exactly but
+refuses a block of several tokens with a past at batch > 1 (tests/test_batched_attention.py), so
+batching several sequences' verify blocks needs one attention node per slot with the weight
+kernels shared (not built). With one slot, a request decodes through Engine.stream.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from runtime import heap
-from runtime.engine import Engine, GenerateConfig, GenerationResult, Prompt
+from runtime.engine import Engine, GenerateConfig, GenerationResult, Prompt, SlotSequence
 from runtime.stats import summarize
 
 WORKER_NAME = "edge-spec-scheduler"
@@ -131,6 +132,7 @@ class Sequence:
         self.abandoned = False
         self.withdrawn = False  # its consumer went away: ended between passes, with no result
         self.generator: Iterator | None = None  # Engine.stream, advanced by the worker only
+        self.decoding: SlotSequence | None = None  # or: plain decoding in a KV slot, batched with others
 
     @property
     def cancelled(self) -> bool:
@@ -148,8 +150,13 @@ class Scheduler:
     def __init__(self, engine: Engine, *, max_queue: int, queue_timeout: float | None, stream_idle_timeout: float | None,
                  on_result: Callable[[GenerationResult], None] = lambda result: None,
                  on_queue_timeout: Callable[[], None] = lambda: None, slots: int = 1):
-        if slots != 1:
-            raise ValueError(f"the Engine decodes one sequence per pass; slots must be 1, got {slots}")
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"slots must be an integer >= 1, got {slots!r}")
+        if slots > 1:
+            if engine.config.block_stable:
+                raise ValueError("batched decoding is not block-stable (README, \"Batched decoding\"): serve one "
+                                 "sequence at a time (parallel 1) in block-stable mode")
+            engine.batched(slots)  # the KV slots, allocated now: a bundle that cannot batch fails here
         self.engine = engine
         self.max_queue = max_queue
         self.queue_timeout = queue_timeout
@@ -263,6 +270,12 @@ class Scheduler:
         return bool(self._running)
 
     @property
+    def running(self) -> int:
+        """Sequences decoding now (at most `slots`)."""
+        with self.cond:
+            return len(self._running)
+
+    @property
     def waiting(self) -> int:
         """Sequences in the line (started, waiting for a slot)."""
         with self.cond:
@@ -316,12 +329,20 @@ class Scheduler:
                 self._end(sequence, None)
             elif self._left_unread(sequence, now):
                 self._abandon(sequence)
-        while len(self._running) < self.slots and self._line:
-            sequence = self._line.popleft()
+        for sequence in list(self._line):
+            if len(self._running) >= self.slots:
+                break
+            self._line.remove(sequence)
             sequence.state = RUNNING
             sequence.started_at = time.perf_counter()
-            sequence.generator = self.engine.stream(sequence.request.prompt, sequence.request.config,
-                                                    cancel=sequence.request.cancel)
+            if self.slots > 1:
+                taken = {s.decoding.slot for s in self._running if s.decoding is not None}
+                slot = self.engine.free_slot(sequence.request.prompt, taken, self.slots)
+                sequence.decoding = self.engine.slot_sequence(slot, sequence.request.prompt, sequence.request.config,
+                                                              sequence.request.cancel)
+            else:
+                sequence.generator = self.engine.stream(sequence.request.prompt, sequence.request.config,
+                                                        cancel=sequence.request.cancel)
             self._running.append(sequence)
             sequence.sink.started()
         batch = []
@@ -339,24 +360,46 @@ class Scheduler:
                 and now - sequence.unread_since > self.stream_idle_timeout)
 
     def _advance(self, batch: list[Sequence]) -> None:
-        """Runs the pass, outside the lock. One sequence a pass today; with N KV slots (issue 36)
-        this becomes one target pass over every sequence in the batch, each its own rows."""
+        """Runs the pass, outside the lock: one step of the sequences in KV slots
+        (Engine.advance_slots), or a round of the one stream decoding alone (slots 1)."""
+        slotted = [s for s in batch if s.decoding is not None]
+        for sequence in [s for s in slotted if s.cancelled]:
+            tail, result = self.engine.end_slot(sequence.decoding, "cancelled")
+            self._deliver(sequence, ([Chunk(tail)] if tail else []) + [Chunk("", result)])
+        slotted = [s for s in slotted if not s.cancelled]
+        if slotted:
+            try:
+                items = [[Chunk(piece, result) for piece, result in out] for out in self.engine.advance_slots([s.decoding for s in slotted])]
+            except BaseException as exc:  # each consumer raises it; the worker keeps serving
+                items = [[Failure(exc)] for _ in slotted]
+            for sequence, chunks in zip(slotted, items):
+                self._deliver(sequence, chunks)
         for sequence in batch:
+            if sequence.generator is None:
+                continue
             try:
                 piece, result = next(sequence.generator)
                 item = Chunk(piece, result)
             except BaseException as exc:  # the consumer raises it; the worker keeps serving
-                item, result = Failure(exc), None
-            with self.cond:
-                if sequence.first_token_at is None:
-                    sequence.first_token_at = time.perf_counter()
-                if result is not None or isinstance(item, Failure):
+                item = Failure(exc)
+            self._deliver(sequence, [item])
+
+    def _deliver(self, sequence: Sequence, items: list[Chunk | Failure]) -> None:
+        """A pass's chunks to the sequence's sink; the last one with a result (or a Failure) ends it."""
+        with self.cond:
+            if sequence.first_token_at is None:
+                sequence.first_token_at = time.perf_counter()
+            for item in items:
+                if isinstance(item, Failure) or item.result is not None:
                     self._end(sequence, item)
-                elif sequence.withdrawn:
+                    return
+                if sequence.withdrawn:
                     self._end(sequence, None)
-                else:
-                    sequence.sink.put(item)
-                    self.cond.notify_all()
+                    return
+                sequence.sink.put(item)
+            if sequence.withdrawn:
+                self._end(sequence, None)
+            self.cond.notify_all()
 
     def _abandon(self, sequence: Sequence) -> None:
         sequence.abandoned = True
@@ -375,6 +418,8 @@ class Scheduler:
         if sequence.generator is not None:
             sequence.generator.close()  # the Engine's stream ends here, on the worker
             sequence.generator = None
+        if sequence.decoding is not None:
+            sequence.decoding.ended = True  # out of later passes; a drafter it held is free
         if sequence in self._running:
             self._running.remove(sequence)
         self._live.discard(sequence)

@@ -169,3 +169,23 @@ def test_unsupported_variants_refused_by_name():
     act.hidden_act = "gelu"
     with pytest.raises(UnsupportedArchitecture, match="activation 'gelu'"):
         arch_for(act)
+
+
+@pytest.mark.parametrize("family", tiny.FAMILIES)
+def test_a_batched_pass_computes_each_row_as_the_sequence_alone(family, families, family_bundles):
+    """Fused graphs take a batch of sequences, one KV slot each (runtime/batch.py): with three
+    sequences at lengths inside and past the window, each row is its 1-token pass bit for bit
+    (q/k norms reshaped per sequence, windows from each one's own length)."""
+    from runtime.batch import batched_target
+
+    _, _, ids = families[family]
+    engine = _engine(family_bundles[family, "fused"])
+    target = batched_target(engine.loader, 3)
+    lengths = (PROMPT_TOKENS, 7, 40)
+    for slot, n in enumerate(lengths):
+        target.runner(slot).prefill(ids[: n - 1])
+    batched = target.step([0, 1, 2], [ids[n - 1] for n in lengths])
+    for slot, n in enumerate(lengths):
+        engine.target.cache.reset()
+        engine.target.prefill(ids[: n - 1])
+        assert np.array_equal(batched[slot], engine.target.forward([ids[n - 1]])[0]), (family, slot)

@@ -162,6 +162,8 @@ def test_generate_json_is_greedy_and_matches_api(llama_bundle):
     (("serve", "--queue-timeout", "nan"), "--queue-timeout: nan is out of range"),
     (("serve", "--header-timeout", "0"), "--header-timeout: 0 is out of range"),
     (("serve", "--max-connections", "0"), "--max-connections: 0 is out of range"),
+    (("serve", "--parallel", "0"), "--parallel: 0 is out of range"),
+    (("serve", "--parallel", "2", "--block-stable"), "--parallel above 1 is not block-stable"),
     (("serve", "--client-prefix-v4", "33"), "--client-prefix-v4: client_prefix_v4 must be a prefix length from 1 to 32"),
     (("serve", "--client-prefix-v6", "0"), "--client-prefix-v6: client_prefix_v6 must be a prefix length from 1 to 128"),
     (("serve", "--auth-failures-global", "0"), "--auth-failures-global: auth_failures_global must be an integer >= 1"),

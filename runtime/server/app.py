@@ -93,7 +93,8 @@ class Server:
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", "model": self.model_id, "busy": self.model.busy,
-                             "queue_depth": self.model.queue_depth, "max_queue": self.model.max_queue})
+                             "queue_depth": self.model.queue_depth, "max_queue": self.model.max_queue,
+                             "running": self.model.running, "parallel": self.model.parallel})
 
     async def metrics_endpoint(self, request: Request) -> Response:
         try:

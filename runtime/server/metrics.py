@@ -118,6 +118,8 @@ class Metrics:
         metric("queue_depth", "gauge", "Requests waiting for the engine.", [({}, model.queue_depth)])
         metric("queue_capacity", "gauge", "Requests that may wait (--max-queue).", [({}, model.max_queue)])
         metric("generation_running", "gauge", "1 while a generation holds the engine.", [({}, int(model.busy))])
+        metric("sequences_running", "gauge", "Requests decoding now (at most --parallel).", [({}, model.running)])
+        metric("sequences_parallel", "gauge", "Requests that may decode at once (--parallel).", [({}, model.parallel)])
         with self._lock:
             for name, (help_text, _) in HISTOGRAMS.items():
                 lines.append(f"# HELP edge_spec_{name} {help_text}")
