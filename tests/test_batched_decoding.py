@@ -164,7 +164,7 @@ def test_a_speculative_request_shares_the_passes_of_a_model_with_parallel_slots(
                                     dict(prompt_ids=PROMPTS[2], max_tokens=40, temperature=0, speculation={"drafter": "lookup"})])
     assert [r.token_ids for r in results] == [r.token_ids for r in solo]
     assert results[2].speculation == {"drafter": "lookup", "gamma": "auto", "max_gamma": 8, "batched": True}
-    assert sizes[0] == 3 and results[2].stats.drafted_tokens > 0  # in the batch with the others, then drafting
+    assert 3 in sizes and results[2].stats.drafted_tokens > 0  # in a batch with both others, and drafting
 
 
 def test_a_layer_skip_request_decodes_plainly_in_a_slot_and_says_so(bundles):

@@ -293,7 +293,7 @@ def test_real_weights_manifest_max_context_checked_against_the_graphs(tmp_path):
     from tests import real
 
     real.need(real.QWEN_TARGET, real.QWEN_DRAFT)
-    source = real.bundle("qwen-pair-int8")
+    source = real.bundle("qwen-pair-int4")
     copy = tmp_path / "edited"
     copy.mkdir()
     for f in source.iterdir():

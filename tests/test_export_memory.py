@@ -133,7 +133,7 @@ def _feeds(session, ids):
     t = len(ids)
     feeds = {}
     for spec in session.get_inputs():
-        shape = [d if isinstance(d, int) else t for d in spec.shape]
+        shape = [d if isinstance(d, int) else 1 if d == "B" else t for d in spec.shape]  # B: the batch of fused graphs
         if spec.name == names.INPUT_IDS:
             feeds[spec.name] = np.array([ids], dtype=np.int64)
         elif spec.name == names.HIDDEN_IN:

@@ -91,7 +91,7 @@ def test_real_weights_qwen_pair_hands_off_to_hub_ids():
     from tests import real
 
     real.need(real.QWEN_TARGET, real.QWEN_DRAFT)
-    manifest = open_bundle(real.bundle("qwen-pair-int8"), check_hashes=False).manifest
+    manifest = open_bundle(real.bundle("qwen-pair-int4"), check_hashes=False).manifest
     v = plan(manifest, "vllm", "draft", alpha=0.7)
     assert v.argv[2] == "Qwen/Qwen2.5-Coder-1.5B-Instruct"
     assert json.loads(v.argv[-1])["model"] == "Qwen/Qwen2.5-Coder-0.5B-Instruct"

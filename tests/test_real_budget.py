@@ -109,6 +109,54 @@ def test_plan_matches_peak_resident_memory(planned_pair, tmp_path):
         assert full.part("KV target") * 2 == float32.part("KV target")
 
 
+# Four sequences decoded together in one process (Engine.generate_batch: the first holds the draft
+# model), its peak written at exit as _PEAK_WRAPPER writes it. argv: bundle, budget, prompt files.
+_BATCH_WRAPPER = """
+import atexit, os, sys
+def _write_peak():
+    with open("/proc/self/status") as status:
+        kib = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+    with open(os.environ["EDGE_SPEC_PEAK_FILE"], "w") as out:
+        out.write(str(kib * 1024))
+atexit.register(_write_peak)
+from runtime.engine import Engine, EngineConfig, GenerateConfig
+engine = Engine(sys.argv[1], EngineConfig(provider="cpu", drafter="model", calibrate=False, memory_budget=int(sys.argv[2])))
+prompts = [engine.encode(prompt=open(path).read()) for path in sys.argv[3:]]
+n = int(os.environ["EDGE_SPEC_NEW_TOKENS"])
+configs = [GenerateConfig(max_new_tokens=n, speculation={"drafter": "model"})] + [GenerateConfig(max_new_tokens=n)] * (len(prompts) - 1)
+engine.generate_batch(prompts, configs)
+"""
+
+
+def test_plan_of_four_batched_sequences_matches_peak_resident_memory(pair, tmp_path):
+    """`runtime plan --parallel 4` against a process that decodes four sequences in KV slots."""
+    from tokenizers import Tokenizer
+
+    manifest = load_manifest(pair, check_hashes=False)
+    budget = round(plan_bundle(manifest, pair, "model", parallel=4).total_bytes * (1 + TOLERANCE))
+    tokenizer = Tokenizer.from_file(str(pair / "tokenizer.json"))
+    code = tokenizer.encode("".join((real.ROOT / f).read_text() for f in ("runtime/engine.py", "runtime/server/app.py", "runtime/api.py"))).ids
+    files = []
+    for k in range(4):  # four different prompts of PROMPT_TOKENS
+        files.append(tmp_path / f"prompt{k}.txt")
+        files[-1].write_text(tokenizer.decode(code[k * PROMPT_TOKENS : (k + 1) * PROMPT_TOKENS]))
+    used = max(len(tokenizer.encode(f.read_text()).ids) for f in files) + NEW_TOKENS
+    peak_file = tmp_path / "peak"
+    env = dict(os.environ, PYTHONPATH=str(real.ROOT), TOKENIZERS_PARALLELISM="false", EDGE_SPEC_PEAK_FILE=str(peak_file),
+               EDGE_SPEC_NEW_TOKENS=str(NEW_TOKENS))
+    began = time.perf_counter()
+    run = subprocess.run([sys.executable, "-c", _BATCH_WRAPPER, str(pair), str(budget), *map(str, files)], cwd=real.ROOT, env=env,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    peak = int(peak_file.read_text())
+    planned = plan_bundle(manifest, pair, "model", context=used, parallel=4)
+    report = (f"peak RSS {format_size(peak)}; plan --parallel 4 at {used} tokens {format_size(planned.total_bytes)} "
+              f"({planned.total_bytes / peak - 1:+.1%}), of which KV slots {format_size(planned.part('KV slots'))}; "
+              f"{time.perf_counter() - began:.0f} s")
+    print(report)
+    assert abs(planned.total_bytes - peak) <= TOLERANCE * peak, report
+
+
 def test_too_small_budget_is_refused_quickly(pair, tmp_path):
     full = plan_bundle(load_manifest(pair, check_hashes=False), pair, "model")
     rc, peak, seconds, stderr = _generate(pair, tmp_path, "--draft", "model", "--prompt", "def f():", "--memory-budget", full.total_bytes // 2)

@@ -28,7 +28,7 @@ KEY = "sk-edge-spec-networks"
 
 def stub_model() -> SimpleNamespace:
     """What the auth-only routes and the body limits read of a Model."""
-    return SimpleNamespace(name="stub", max_context=64, vocab_size=400, busy=False, queue_depth=0, max_queue=4,
+    return SimpleNamespace(name="stub", max_context=64, vocab_size=400, busy=False, queue_depth=0, max_queue=4, running=0, parallel=1,
                            engine=SimpleNamespace(tokenizer=SimpleNamespace(max_token_bytes=8)))
 
 
