@@ -122,8 +122,10 @@ def run(args: argparse.Namespace) -> dict:
         texts = {name: [t for run in rows[name, clients] for t in run["texts"]] for name in names}
         same[str(clients)] = {f"{a}={b}": f"{sum(x == y for x, y in zip(texts[a], texts[b]))}/{len(texts[a])}"
                               for i, a in enumerate(names) for b in names[i + 1 :]}
-    return {"bundle": args.bundle, "settings": {k: v for k, v in vars(args).items() if k != "out"}, "rows": table,
-            "answers_equal": same}
+    from benchmarks.bench.run import _machine
+
+    return {"bundle": args.bundle, "machine": _machine(), "settings": {k: v for k, v in vars(args).items() if k != "out"},
+            "rows": table, "answers_equal": same}
 
 
 def main(argv: list[str] | None = None) -> int:
