@@ -53,7 +53,7 @@ def _prompt(bundle: Path, n_tokens: int) -> str:
 # Runs the CLI and writes its peak resident memory (VmHWM of its own address space) at exit.
 # Not wait4's ru_maxrss: a child forked from this test process inherits the parent's high-water
 # mark, which is gigabytes once other real-weight tests have loaded transformers models here.
-_PEAK_WRAPPER = """
+_WRITE_PEAK_AT_EXIT = """
 import atexit, os, runpy, sys
 def _write_peak():
     with open("/proc/self/status") as status:
@@ -61,6 +61,8 @@ def _write_peak():
     with open(os.environ["EDGE_SPEC_PEAK_FILE"], "w") as out:
         out.write(str(kib * 1024))
 atexit.register(_write_peak)
+"""
+_PEAK_WRAPPER = _WRITE_PEAK_AT_EXIT + """
 sys.argv = ["runtime", *sys.argv[1:]]
 runpy.run_module("runtime", run_name="__main__", alter_sys=True)
 """
@@ -110,15 +112,8 @@ def test_plan_matches_peak_resident_memory(planned_pair, tmp_path):
 
 
 # Four sequences decoded together in one process (Engine.generate_batch: the first holds the draft
-# model), its peak written at exit as _PEAK_WRAPPER writes it. argv: bundle, budget, prompt files.
-_BATCH_WRAPPER = """
-import atexit, os, sys
-def _write_peak():
-    with open("/proc/self/status") as status:
-        kib = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
-    with open(os.environ["EDGE_SPEC_PEAK_FILE"], "w") as out:
-        out.write(str(kib * 1024))
-atexit.register(_write_peak)
+# model), its peak written at exit (_WRITE_PEAK_AT_EXIT). argv: bundle, budget, prompt files.
+_BATCH_WRAPPER = _WRITE_PEAK_AT_EXIT + """
 from runtime.engine import Engine, EngineConfig, GenerateConfig
 engine = Engine(sys.argv[1], EngineConfig(provider="cpu", drafter="model", calibrate=False, memory_budget=int(sys.argv[2])))
 prompts = [engine.encode(prompt=open(path).read()) for path in sys.argv[3:]]
