@@ -25,7 +25,7 @@ from edge_spec.profiles import PROFILES, DeviceProfile
 from export.archs import arch_for, check_context
 from export.onnx_graphs import finish_stage, trace_stage
 from export.quantize import quantize_stage
-from export.sources import Checkpoint, load_config, load_tokenizer, open_checkpoint
+from export.sources import Checkpoint, gguf_read_once, load_config, load_tokenizer, open_checkpoint
 from export.vocab_trim import DEFAULT_SOURCES, SUGGESTED_DRAFT_VOCAB
 
 LAYER_SKIP_PREFIX = ls.PREFIX
@@ -171,6 +171,7 @@ def default_drafts(model: str) -> tuple[str, ...]:
     return (entry.default_draft,) if entry and entry.default_draft else ()
 
 
+@gguf_read_once()
 def model_facts(spec: str, export: ExportConfig | None = None) -> ModelFacts:
     """A model's shape from its config alone (no weights), to plan memory before exporting; with
     `export`, a GGUF whose blocks it keeps is planned at the bytes of its own tensor types."""
@@ -199,6 +200,7 @@ def _fp32_bytes(config) -> int:
     return weights.layers + weights.head + weights.embed
 
 
+@gguf_read_once()
 def choose_for_budget(config: ExportConfig, budget: int) -> ExportChoice:
     """The export (context, drafts, precision) that fits `budget`, by edge_spec.budget's order."""
     if "onnx" not in config.formats:
@@ -475,6 +477,7 @@ def _log_stderr(message: str) -> None:
     print(message, file=sys.stderr)
 
 
+@gguf_read_once()
 def export_bundles(configs: list[ExportConfig], log: Callable[[str], None] = _log_stderr) -> list[mf.Manifest]:
     """Several bundles (say int4 and int8 of one pair) loading each checkpoint only once."""
     loaded: dict[str, Checkpoint] = {}
@@ -487,6 +490,7 @@ def export_bundles(configs: list[ExportConfig], log: Callable[[str], None] = _lo
     return [export_bundle(config, log, load) for config in configs]
 
 
+@gguf_read_once()
 def export_bundle(config: ExportConfig, log: Callable[[str], None] = _log_stderr, load: Callable[[str], Checkpoint] = open_checkpoint) -> mf.Manifest:
     if config.quant not in mf.QUANTS:
         raise ExportError(f"unknown quantization {config.quant!r}; choose one of {', '.join(mf.QUANTS)}")

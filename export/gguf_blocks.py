@@ -196,9 +196,9 @@ def stored_gguf(path: str, to_int8: tuple[str, ...] = (), requantized_bytes_per_
     """StoredGGUF of `path`: matrices by kept_bytes (a type without a form at
     requantized_bytes_per_weight), vectors as float32, the LM head its own copy of the
     embedding's blocks when the file ties them."""
-    from gguf import GGUFReader
+    from export.sources import gguf_reader
 
-    tensors = {t.name: (t.tensor_type.name, [int(d) for d in t.shape]) for t in GGUFReader(path).tensors}
+    tensors = {t.name: (t.tensor_type.name, [int(d) for d in t.shape]) for t in gguf_reader(path).tensors}
 
     def matrix(type_name: str, shape: list[int]) -> int:
         k, n = shape[0], shape[1]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import functools
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,13 +120,69 @@ class LazyWeights:
         return module
 
 
+@functools.cache
+def _gguf_file_class():
+    """gguf's GGUFReader over plain ndarray views of the mapped file. Over numpy.memmap every
+    view runs memmap's Python __array_finalize__, and a 151,936-token vocabulary parses into
+    millions of views: 3x the time and twice the memory (BENCHMARKS.md, "Export time")."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    class GGUFFile(GGUFReader):
+        @property
+        def data(self):
+            return self._data
+
+        @data.setter
+        def data(self, mapped):
+            self._data = mapped.view(np.ndarray)  # the memmap stays alive as the view's base
+
+    return GGUFFile
+
+
+def gguf_reader(path):
+    return _gguf_file_class()(str(path))
+
+
+@contextmanager
+def gguf_read_once():
+    """Within the block every GGUF read, ours and transformers' (config, tokenizer, weights),
+    goes through gguf_reader, and transformers' metadata parse of a file (load_gguf_checkpoint
+    without tensors) runs once per file: one export asks for a file's config and tokenizer
+    several times. Re-entrant; everything is restored on exit."""
+    import gguf
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+    if getattr(hf_gguf.load_gguf_checkpoint, "reads_once", False):
+        yield
+        return
+    plain_reader, plain_load = gguf.GGUFReader, hf_gguf.load_gguf_checkpoint
+    parsed: dict[tuple, dict] = {}
+
+    def load_once(path, return_tensors=False, **kwargs):
+        if return_tensors or kwargs:
+            return plain_load(path, return_tensors, **kwargs)
+        stat = os.stat(path)
+        key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+        if key not in parsed:
+            parsed[key] = plain_load(path, False)
+        return copy.deepcopy(parsed[key])  # callers may change what they are given
+
+    load_once.reads_once = True
+    gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = _gguf_file_class(), load_once
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = plain_reader, plain_load
+
+
 def _gguf_weights(path: Path, model) -> dict:
     """Parameter name -> reader of that tensor in the GGUF, through transformers' own name map
     and tensor processor (what from_pretrained(gguf_file=) runs over every tensor at once)."""
-    from gguf import GGUFReader, dequantize
+    from gguf import dequantize
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map, read_field
 
-    reader = GGUFReader(str(path))
+    reader = gguf_reader(path)
     architecture = read_field(reader, "general.architecture")[0]
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())
     mapping = get_gguf_hf_weights_map(model, processor)
@@ -236,6 +295,7 @@ def candidate_sources(spec: str) -> list[Source]:
     return []
 
 
+@gguf_read_once()
 def load_config(spec: str):
     """The first candidate source whose config loads, and that config (architecture checked,
     no weights read); SourceError lists every source tried."""
@@ -271,6 +331,7 @@ def load_config(spec: str):
     raise SourceError(f"could not load {spec!r}; tried:\n  " + "\n  ".join(tried) + f"\n{hint}")
 
 
+@gguf_read_once()
 def load_checkpoint(spec: str) -> Checkpoint:
     source, _ = load_config(spec)
     import torch
@@ -281,6 +342,7 @@ def load_checkpoint(spec: str) -> Checkpoint:
     return Checkpoint(source, model, tokenizer)
 
 
+@gguf_read_once()
 def load_tokenizer(spec: str):
     """The tokenizer alone (no weights): enough to compare a draft's vocabulary with the target's."""
     source, _ = load_config(spec)
@@ -289,6 +351,7 @@ def load_tokenizer(spec: str):
     return AutoTokenizer.from_pretrained(source.path, **source.kwargs)
 
 
+@gguf_read_once()
 def open_checkpoint(spec: str) -> Checkpoint:
     """The checkpoint with its weights left in their files (Checkpoint.loaded reads them),
     when they are a GGUF or safetensors whose names are the model's; else loaded whole."""

@@ -77,11 +77,11 @@ REAL_BUNDLES = {
     # Its layer-skip draft is chosen by the export's search (issue 37): its exactness tests then cover a subset draft.
     "smollm2-int8": ("smollm2-135m", "int8", ("layer-skip:auto",), 1024, "fused", "cpu"),
     "qwen-pair-int4": ("qwen2.5-coder-1.5b", "int4", ("qwen2.5-coder-0.5b", LAYER_SKIP), 2048, "fused", "cpu"),
-    # The --device cuda int4 target alone: its top-1 against the CPU default (the pair's CUDA
-    # speculation is checked on SmolLM2's cuda bundle and by the GPU kit).
-    "qwen15-cuda-int4": ("qwen2.5-coder-1.5b", "int4", (), 1024, "fused", "cuda"),
     # fp32 parity with transformers on the 0.5B: the same qwen2 loader and graph as the 1.5B, a third of its export.
     "qwen05-fp32": ("qwen2.5-coder-0.5b", "fp32", (), 1024, "fused", "cpu"),
+    # The --device cuda int4 profile on the 0.5B alone: its top-1 and its memory plan (CUDA
+    # speculation is checked on SmolLM2's cuda bundle and by the GPU kit).
+    "qwen05-cuda-int4": ("qwen2.5-coder-0.5b", "int4", (), 1024, "fused", "cuda"),
     # Gemma 3: 1024 positions reach past its 512-token sliding window.
     "gemma3-fp32": ("gemma-3-270m", "fp32", ("layer-skip:9",), 1024, "fused", "cpu"),
     "gemma3-int8": ("gemma-3-270m", "int8", ("layer-skip:9",), 1024, "fused", "cpu"),

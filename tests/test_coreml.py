@@ -488,10 +488,13 @@ def test_smollm2_packages(tmp_path):
     int8 and int4; the converted module checked against transformers in fp32 and fp16."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from export.sources import gguf_read_once
+
     folder = real.need(real.SMOLLM2)
     torch.set_num_threads(1)
-    model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=real.SMOLLM2, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(str(folder), gguf_file=real.SMOLLM2)
+    with gguf_read_once():
+        model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=real.SMOLLM2, dtype=torch.float32).eval()
+        tok = AutoTokenizer.from_pretrained(str(folder), gguf_file=real.SMOLLM2)
     messages = [{"role": "user", "content": "Write a Python function that returns the nth Fibonacci number."}]
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
     reference = tiny.hf_logits(model, ids)

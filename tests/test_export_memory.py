@@ -50,6 +50,38 @@ def test_lazy_weights_equal_from_pretrained_gguf():
     assert _same_weights(str(folder / SMOLLM2)) > 100
 
 
+@pytest.mark.real_weights
+def test_gguf_read_once_parses_a_file_once_into_what_gguf_reads():
+    """export.sources.gguf_read_once: its reader gives gguf's fields and tensors; transformers'
+    metadata parse runs once per file within it, each caller gets its own copy; both are
+    restored on exit."""
+    import gguf
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+    from export.sources import gguf_read_once, gguf_reader
+
+    path = str(need(SMOLLM2) / SMOLLM2)
+    plain, fast = gguf.GGUFReader(path), gguf_reader(path)
+    assert list(fast.fields) == list(plain.fields)
+    for name, field in plain.fields.items():
+        assert fast.fields[name].types == field.types and fast.fields[name].data == field.data, name
+        assert all(np.array_equal(a, b) for a, b in zip(fast.fields[name].parts, field.parts, strict=True)), name
+    assert [(t.name, t.tensor_type, t.data_offset) for t in fast.tensors] == [(t.name, t.tensor_type, t.data_offset) for t in plain.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(fast.tensors, plain.tensors))
+
+    expected = hf_gguf.load_gguf_checkpoint(path)
+    readers = []
+    reader_class, load = gguf.GGUFReader, hf_gguf.load_gguf_checkpoint
+    with gguf_read_once():
+        gguf.GGUFReader = type("Counted", (gguf.GGUFReader,), {"__init__": lambda self, *a: (readers.append(a), super(type(self), self).__init__(*a))[1]})
+        first = hf_gguf.load_gguf_checkpoint(path)
+        first["config"]["vocab_size"] = -1
+        with gguf_read_once():  # nested: the same memo
+            again = hf_gguf.load_gguf_checkpoint(path)
+    assert len(readers) == 1 and first != again and again == expected
+    assert (gguf.GGUFReader, hf_gguf.load_gguf_checkpoint) == (reader_class, load)
+
+
 def test_loaded_modules_are_meta_again_after_the_block(tiny_models):
     from export.sources import open_checkpoint
 

@@ -33,9 +33,9 @@ def pair() -> Path:
     return real.bundle("qwen-pair-int4")
 
 
-@pytest.fixture(scope="module", params=[("qwen-pair-int4", "model"), ("qwen15-cuda-int4", "none")], ids=lambda p: p[0])
+@pytest.fixture(scope="module", params=[("qwen-pair-int4", "model"), ("qwen05-cuda-int4", "none")], ids=lambda p: p[0])
 def planned_pair(request) -> tuple[Path, str]:
-    """The CPU profile's pair with its draft model, and the --device cuda target (float16 KV:
+    """The CPU profile's pair with its draft model, and a --device cuda target (float16 KV:
     half the KV bytes) decoding plain."""
     real.need(real.QWEN_TARGET, real.QWEN_DRAFT)
     return real.bundle(request.param[0]), request.param[1]

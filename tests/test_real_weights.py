@@ -25,9 +25,12 @@ def _hf(gguf_file: str):
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from export.sources import gguf_read_once
+
     folder = real.models_dir()
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    with gguf_read_once():
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32).eval()
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
     return torch, model, tokenizer
 
 
@@ -87,19 +90,25 @@ def test_qwen_fp32_matches_transformers():
     _parity(real.bundle("qwen05-fp32"), real.QWEN_DRAFT, 24)
 
 
-def test_qwen_cuda_profile_top1_against_the_cpu_default():
-    """--device cuda (int4 weights re-quantized, float16 activations and KV), run here on the CPU
-    provider, against the CPU default, which keeps the GGUF's blocks: the cuda bundle keeps the
-    top-1 floor README states, and the kept blocks agree with the checkpoint more often."""
+def test_qwen_cuda_profile_top1():
+    """--device cuda on the 0.5B (int4 weights re-quantized, float16 activations and KV), run
+    here on the CPU provider: its top-1 against transformers fp32 meets the floor gpu_check
+    holds an int4 CUDA bundle to (0.85; 88.3% when written). Placed after the fp32 0.5B test:
+    the model _hf has loaded is reused."""
+    real.need(real.QWEN_DRAFT, real.HUMANEVAL)
+    cuda = real.bundle("qwen05-cuda-int4")
+    assert _top1_against_transformers([cuda], real.QWEN_DRAFT)[cuda.name]["top1"] >= 0.85
+
+
+def test_qwen_pair_top1_against_transformers():
+    """The default pair's 1.5B target, which keeps the GGUF's blocks, against transformers fp32."""
     real.need(real.QWEN_TARGET, real.QWEN_DRAFT, real.HUMANEVAL)
-    cpu, cuda = real.bundle("qwen-pair-int4"), real.bundle("qwen15-cuda-int4")
-    rows = _top1_against_transformers([cpu, cuda], real.QWEN_TARGET)
-    assert rows[cuda.name]["top1"] >= 0.9, rows
-    assert rows[cpu.name]["top1"] >= max(0.95, rows[cuda.name]["top1"]), rows
+    pair = real.bundle("qwen-pair-int4")
+    assert _top1_against_transformers([pair], real.QWEN_TARGET)[pair.name]["top1"] >= 0.95
 
 
 def test_qwen_1_5b_residuals_stay_finite_in_the_coreml_float16_norm():
-    """The SmolLM2 test below on Qwen2.5-Coder-1.5B (placed after the other Qwen 1.5B tests: the
+    """The SmolLM2 test below on Qwen2.5-Coder-1.5B (placed after the pair's top-1 test: the
     model _hf has loaded is reused, no export): every norm's input on one short prompt, through
     the norm as traced for --device coreml --quant fp16, in float16 arithmetic. Qwen's residuals
     (largest about 3.3k here) fit float16 and so does their mean square (about 1.6e4, unlike
