@@ -23,11 +23,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker reads the groups
 def pytest_collection_modifyitems(session, config, items):
     """Tests on real weights run last: the bundles they need are exported in the background
-    while the unit tests run (pytest_collection_finish)."""
+    while the unit tests run (pytest_collection_finish).
+
+    Under pytest-xdist (README's test command: -n 2 --dist loadgroup) a file's tests run on one
+    worker, in order, so its module fixtures and a transformers model a file loads are made once;
+    test_real_weights.py goes by model family, so its 15 minutes are not one worker's tail."""
     real_items = [item for item in items if item.get_closest_marker("real_weights")]
     items[:] = [item for item in items if not item.get_closest_marker("real_weights")] + real_items
+    for item in items:
+        group = item.path.stem
+        if group == "test_real_weights":
+            group += "-" + next(family for family in ("qwen", "smollm2", "gemma3") if family in item.name)
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def pytest_collection_finish(session):
@@ -41,7 +51,7 @@ def pytest_collection_finish(session):
 def pytest_sessionfinish(session, exitstatus):
     import real
 
-    real.stop_exports()
+    real.stop_exports(interrupted=exitstatus == pytest.ExitCode.INTERRUPTED or session.shouldstop)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ those tests after the unit tests.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import subprocess
@@ -145,9 +146,17 @@ def start_exports(workers: int = 2) -> None:
     tests) finish in about half the time; bundle() waits for the one it needs."""
     if _WORKERS or not all((models_dir() / f).is_file() for f in (QWEN_TARGET, QWEN_DRAFT, SMOLLM2, GEMMA3)):
         return
-    todo = [n for n in missing_bundles() if not _being_exported(n)]
-    if not todo:
-        return
+    bundles_root().mkdir(parents=True, exist_ok=True)
+    # pytest-xdist's workers each start a session: the first to take the lock starts the exports,
+    # the others find them being exported.
+    with open(bundles_root() / "start-exports.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        todo = [n for n in missing_bundles() if not _being_exported(n)]
+        if todo:
+            _start(todo, workers)
+
+
+def _start(todo: list[str], workers: int) -> None:
     # Cheapest models first, so the tests that need them can start early; the heaviest bundles
     # go to the least loaded worker.
     todo.sort(key=lambda n: _COST.get(REAL_BUNDLES[n][0], 1.0))
@@ -157,7 +166,6 @@ def start_exports(workers: int = 2) -> None:
         i = loads.index(min(loads))
         shares[i].append(n)
         loads[i] += _COST.get(REAL_BUNDLES[n][0], 1.0)
-    bundles_root().mkdir(parents=True, exist_ok=True)
     for i, share in enumerate(s for s in shares if s):
         share.sort(key=todo.index)
         log = bundles_root() / f"export-worker-{i}.log"
@@ -188,10 +196,13 @@ def _alive(pid: int) -> bool:
     return status != "Z" and b"export_bundles" in command
 
 
-def stop_exports() -> None:
+def stop_exports(interrupted: bool) -> None:
     """End the background exports this session started (a bundle being written is left as
-    DIR.partial, which the next export removes)."""
+    DIR.partial, which the next export removes). A pytest-xdist worker that ends normally waits
+    for them instead: another worker's tests may still need what they write."""
     for proc in _WORKERS:
+        if proc.poll() is None and os.environ.get("PYTEST_XDIST_WORKER") and not interrupted:
+            proc.wait()
         if proc.poll() is None:
             proc.terminate()
             try:

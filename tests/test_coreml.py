@@ -485,7 +485,8 @@ def _package_bytes(path: Path) -> int:
 @pytest.mark.real_weights
 def test_smollm2_packages(tmp_path):
     """One conversion of the whole model (embedding to head), saved as fp16 and compressed to
-    int8 and int4; the converted module checked against transformers in fp32 and fp16."""
+    int4 (int8 compression: the tiny pair above); the converted module checked against
+    transformers in fp32 and fp16."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from export.sources import gguf_read_once
@@ -515,16 +516,15 @@ def test_smollm2_packages(tmp_path):
     stage = StageModule(model, 0, n_layers, True, True, config.vocab_size)
     converted = convert_stage(stage, range(n_layers), SMOLLM2_CONTEXT, CoreMLOptions(), hidden)
     sizes = {}
-    for quant in ("fp16", "int8", "int4"):
+    for quant in ("fp16", "int4"):
         path = tmp_path / f"smollm2-{quant}.mlpackage"
         compress(converted, quant).save(str(path))
         sizes[quant] = _package_bytes(path)
     print("SmolLM2-135M Core ML packages: " + ", ".join(f"{q} {b / 2**20:.1f} MiB" for q, b in sizes.items()))
     # Tied embeddings are stored once (coremltools folds the LM head's transposed copy into the
-    # embedding), so fp16 is 2 bytes per parameter; int8 adds a scale per row, int4 one per 32.
+    # embedding), so fp16 is 2 bytes per parameter; int4 adds a scale per 32.
     n_params = sum(p.numel() for p in model.parameters())
     assert 1.9 < sizes["fp16"] / n_params < 2.1
-    assert 0.45 < sizes["int8"] / sizes["fp16"] < 0.55
     assert 0.25 < sizes["int4"] / sizes["fp16"] < 0.33
 
     from coremltools.proto import FeatureTypes_pb2

@@ -131,10 +131,10 @@ def test_plan_of_four_batched_sequences_matches_peak_resident_memory(pair, tmp_p
     budget = round(plan_bundle(manifest, pair, "model", parallel=4).total_bytes * (1 + TOLERANCE))
     tokenizer = Tokenizer.from_file(str(pair / "tokenizer.json"))
     code = tokenizer.encode("".join((real.ROOT / f).read_text() for f in ("runtime/engine.py", "runtime/server/app.py", "runtime/api.py"))).ids
-    files = []
-    for k in range(4):  # four different prompts of PROMPT_TOKENS
+    files, length = [], PROMPT_TOKENS // 2  # four prefills of a half-length prompt: the plan's slots, at half the test's time
+    for k in range(4):
         files.append(tmp_path / f"prompt{k}.txt")
-        files[-1].write_text(tokenizer.decode(code[k * PROMPT_TOKENS : (k + 1) * PROMPT_TOKENS]))
+        files[-1].write_text(tokenizer.decode(code[k * length : (k + 1) * length]))
     used = max(len(tokenizer.encode(f.read_text()).ids) for f in files) + NEW_TOKENS
     peak_file = tmp_path / "peak"
     env = dict(os.environ, PYTHONPATH=str(real.ROOT), TOKENIZERS_PARALLELISM="false", EDGE_SPEC_PEAK_FILE=str(peak_file),
