@@ -30,7 +30,7 @@ def pytest_collection_modifyitems(session, config, items):
 
     Under pytest-xdist (README's test command: -n 2 --dist loadgroup) a file's tests run on one
     worker, in order, so its module fixtures and a transformers model a file loads are made once;
-    test_real_weights.py goes by model family, so its 15 minutes are not one worker's tail."""
+    test_real_weights.py goes by model family, so the longest file is not one worker's tail."""
     real_items = [item for item in items if item.get_closest_marker("real_weights")]
     items[:] = [item for item in items if not item.get_closest_marker("real_weights")] + real_items
     for item in items:
