@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -78,7 +79,7 @@ def main(argv: list[str]) -> int:
             for name, checkout in (("old", args.old), ("new", args.new)):
                 runs[name].append(_export(checkout, args.model, Path(scratch) / "bundle", extra))
                 print(f"{name} {i + 1}/{args.repeats}: {runs[name][-1]['wall_s']:.0f} s", file=sys.stderr)
-    median = {name: sorted(r["wall_s"] for r in rows)[len(rows) // 2] for name, rows in runs.items()}
+    median = {name: statistics.median(r["wall_s"] for r in rows) for name, rows in runs.items()}
     result = {
         "machine": _machine(), "model": args.model, "export_args": extra, "old": str(args.old), "new": str(args.new),
         "runs": runs, "median_wall_s": median, "new_over_old": median["new"] / median["old"],
