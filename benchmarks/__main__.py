@@ -39,9 +39,7 @@ def bench_parser() -> argparse.ArgumentParser:
     """`bench`'s options. The value types are the runtime command line's own (`--gamma`,
     `--temperature`, ... are checked as `python -m runtime generate` checks them), and so is the
     parser: an argument error is one `error:` line, exit 2."""
-    import math
-
-    from runtime.__main__ import _Parser, _gamma, _integer, _number, _temperature
+    from runtime.__main__ import _Parser, _gamma, _integer, _setting
     from runtime.gamma import MAX_GAMMA
 
     bench = _Parser(prog="python -m benchmarks bench",
@@ -53,8 +51,8 @@ def bench_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeat", type=_integer(1), default=1, help="passes over all prompts, interleaved")
     bench.add_argument("--gamma", type=_gamma, default="auto", help="auto (adaptive) or a fixed draft length")
     bench.add_argument("--max-gamma", type=_integer(1, MAX_GAMMA), default=8)
-    bench.add_argument("--temperature", type=_temperature(math.inf), default=0.0, help="0 (default): greedy; above 0: sampled, once per seed")
-    bench.add_argument("--top-p", type=_number(0.0, 1.0, low_open=True), default=1.0, help="with --temperature (default 1.0)")
+    bench.add_argument("--temperature", type=_setting("temperature"), default=0.0, help="0 (default): greedy; above 0: sampled, once per seed")
+    bench.add_argument("--top-p", type=_setting("top_p"), default=1.0, help="with --temperature (default 1.0)")
     bench.add_argument("--seeds", type=_integer(1), default=1, help="with --temperature: runs per prompt and mode, seeds 0..N-1")
     bench.add_argument("--provider", default="auto", help="auto|cpu|cuda|dml|coreml (default auto)")
     bench.add_argument("--threads", type=_integer(0, 1024), default=0)

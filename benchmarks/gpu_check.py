@@ -113,10 +113,10 @@ def _placement_by_profile(bundle: Path, prompt_ids: list[int], out: Path, provid
         engine.use_drafter(drafter, gamma=4 if drafter != "none" else None)
         engine.generate(prompt_ids, GenerateConfig(max_new_tokens=8))
     counts = {}
-    for key, session in engine._sessions.items():
+    for key, session in engine.loader.sessions.items():
         counts[key] = node_providers(session.end_profiling())
     check_profiled_placement(counts, expected)
-    kv_on = {role: str(cache.device) for role, cache in engine._caches.items()}
+    kv_on = {role: str(cache.device) for role, cache in engine.loader.caches.items()}
     return {"node_events_per_stage": counts, "kv_device": kv_on}
 
 

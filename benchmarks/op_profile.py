@@ -147,7 +147,7 @@ def profile(bundle: str, blocks: list[int], kv_len: int = 512, repeats: int = 20
     result = {"bundle": bundle, "kv_len": kv_len, "repeats": repeats, "machine": cpu_features(),
               "threads": engine.config.threads, "passes": {}}
     stages = engine.bundle.manifest.stages
-    for key, session in engine._sessions.items():
+    for key, session in engine.loader.sessions.items():
         events = json.loads(Path(session.end_profiling()).read_text())
         names = draft_labels if key == "draft" else labels if key.startswith("target") else []
         if not names:

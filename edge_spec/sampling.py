@@ -13,11 +13,11 @@ order of floating-point operations in `sample`.
 from __future__ import annotations
 
 import math
-import numbers
-import operator
 from dataclasses import dataclass
 
 import numpy as np
+
+from edge_spec.params import SettingError, check_params, param
 
 
 # The smallest temperature above 0: every finite float32 logit (what every graph returns)
@@ -25,58 +25,24 @@ import numpy as np
 MIN_TEMPERATURE = 1e-269
 
 
-class SettingError(ValueError):
-    """A request setting out of range or of the wrong kind; `param` names it (the server's error
-    field, the API's keyword) and `code` is the server's error code for it."""
-
-    def __init__(self, param: str, message: str, code: str = "invalid_value"):
-        super().__init__(message)
-        self.param, self.code = param, code
-
-
-def shown(value, limit: int = 40) -> str:
-    """A value as an error message quotes it: never more than `limit` characters of the input."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def _as_int(value, param: str, message: str) -> int:
-    """value as an int; bools and non-integers raise SettingError(param, message)."""
-    if isinstance(value, bool):
-        raise SettingError(param, f"{message}, got {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise SettingError(param, f"{message}, got {shown(value)}") from None
-
-
 @dataclass(frozen=True)
 class SamplingConfig:
-    """How logits become a token distribution; shared verbatim by target and draft."""
+    """How logits become a token distribution; shared verbatim by target and draft. Each field's
+    Param (edge_spec/params.py) is its one declaration: the API, the command line and the
+    server read their checks, flags and help from it."""
 
-    temperature: float = 0.0  # 0 means greedy (argmax)
-    top_k: int = 0  # 0 disables top-k
-    top_p: float = 1.0  # 1.0 disables top-p
-    seed: int | None = None  # seeds the caller's np.random.Generator; never used globally
+    temperature: float = param(0.0, float, "0 is greedy (argmax); above it, logits are divided by it", low=0.0,
+                               server_default=1.0, server_high=2.0)  # OpenAI's default and range
+    top_k: int = param(0, int, "keep the k most likely tokens (0: all)", low=0, server_off=(-1,))  # -1: llama.cpp's off
+    top_p: float = param(1.0, float, "keep the most likely tokens whose mass reaches p (1: all)", low=0.0, high=1.0, low_open=True)
+    seed: int | None = param(None, int, "seeds this request's random stream (default: fresh randomness)", low=0, high=2**63 - 1)
 
     def __post_init__(self) -> None:
         # Reject bad values here so a misconfigured run fails at construction, not mid-decode.
-        if not isinstance(self.temperature, numbers.Real) or isinstance(self.temperature, bool):
-            raise SettingError("temperature", f"temperature must be a number, got {shown(self.temperature)}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
-            raise SettingError("temperature", f"temperature must be finite and >= 0, got {shown(self.temperature)}")
+        check_params(self)
         if 0.0 < self.temperature < MIN_TEMPERATURE:
             raise SettingError("temperature", f"temperature {self.temperature!r} is too small (the logits would overflow): "
                                               f"use 0 for greedy or at least {MIN_TEMPERATURE:g}")
-        if _as_int(self.top_k, "top_k", "top_k must be an int") < 0:
-            raise SettingError("top_k", f"top_k must be >= 0 (0 disables it), got {shown(self.top_k)}")
-        if not isinstance(self.top_p, numbers.Real) or isinstance(self.top_p, bool):
-            raise SettingError("top_p", f"top_p must be a number, got {shown(self.top_p)}")
-        if not (0.0 < self.top_p <= 1.0):  # also rejects NaN
-            raise SettingError("top_p", f"top_p must be in (0, 1], got {shown(self.top_p)}")
-        if self.seed is not None:
-            if _as_int(self.seed, "seed", "seed must be an int or None") < 0:
-                raise SettingError("seed", f"seed must be >= 0 (numpy seeding rule), got {shown(self.seed)}")
 
     @property
     def greedy(self) -> bool:

@@ -48,21 +48,52 @@ def _number(low: float, high: float | None = None, low_open: bool = False):
     return parse
 
 
-def _temperature(high: float):
-    """An argparse type: 0 (greedy) or a temperature the sampler accepts, up to high."""
-    number = _number(0.0, high)
+def _setting(name: str):
+    """An argparse type for the request setting `name` (runtime.requests.Options): parsed as its
+    Param's kind, refused with the range it declares or the request type's own check (a
+    temperature too small to scale the logits, ...) at parse time, before any load."""
+    from runtime.requests import Options, params
 
-    def parse(text: str) -> float:
-        from edge_spec.sampling import SamplingConfig
+    p = params(Options)[name]
 
-        value = number(text)
+    def parse(text: str):
         try:
-            SamplingConfig(temperature=value)
+            value = p.kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if p.kind is int else 'a number'}") from None
+        if (p.kind is float and not math.isfinite(value)) or not p.within(value):
+            raise argparse.ArgumentTypeError(f"{text} is out of range (allowed: {p.bounds()})")
+        try:
+            Options(**{name: value})
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
         return value
 
     return parse
+
+
+def _request_args(parser: argparse.ArgumentParser, *names: str, **defaults) -> None:
+    """The flags of request settings `names`, generated from their declarations (edge_spec.params
+    Param on runtime.requests.Options); `defaults` where the command's differ from the API's."""
+    import dataclasses
+
+    from runtime.requests import Options, params
+
+    declared, fields = params(Options), {f.name: f for f in dataclasses.fields(Options)}
+    for name in names:
+        p, default = declared[name], defaults.get(name, fields[name].default)
+        shown_default = "" if default is None else f" (default {default})"
+        flag = p.cli or "--" + name.replace("_", "-")
+        parser.add_argument(flag, dest=name, type=_setting(name), default=default, metavar=flag[2:].replace("-", "_").upper(),
+                            help=p.help + shown_default)
+    parser.set_defaults(request_settings=(parser.get_default("request_settings") or ()) + names)
+
+
+def _options(args, **fields):
+    """The request the command's setting flags (_request_args) describe, plus `fields`."""
+    from runtime.requests import Options
+
+    return Options(**{name: getattr(args, name) for name in args.request_settings}, **fields)
 
 
 def _server_field(name: str):
@@ -163,9 +194,7 @@ def _memory_budget_arg(parser: argparse.ArgumentParser) -> None:
 def _prompt_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", required=True, type=_text)
     parser.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
-    parser.add_argument("--temperature", type=_temperature(100.0), default=0.0)
-    parser.add_argument("--top-k", type=_integer(0), default=0)
-    parser.add_argument("--top-p", type=_number(0.0, 1.0, low_open=True), default=1.0)
+    _request_args(parser, "temperature", "top_k", "top_p")
 
 
 def _engine(args):
@@ -202,14 +231,10 @@ def _prompt_ids(encoder, args) -> list[int]:
 
 
 def cmd_generate(args) -> int:
-    from edge_spec.sampling import SamplingConfig
-    from runtime.api import Model, Options
-    from runtime.engine import GenerateConfig
+    from runtime.api import Model
 
     model = Model(_engine(args), max_queue=0)
-    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
-    config = GenerateConfig(args.max_new_tokens, sampling, tuple(args.stop or ()))
-    options = Options(config.max_new_tokens, sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed, config.stop)
+    options = _options(args, stop=tuple(args.stop or ()))
     prompt_ids = _prompt_ids(model, args)
     result = None
     for chunk in model.stream(prompt_ids=prompt_ids, options=options):
@@ -238,7 +263,6 @@ def cmd_generate(args) -> int:
 
 
 def cmd_audit(args) -> int:
-    from edge_spec.sampling import SamplingConfig
     from runtime import audit
 
     if args.temperature <= 0:
@@ -248,7 +272,7 @@ def cmd_audit(args) -> int:
         print("error: the audit tests speculation: pick a drafter other than none", file=sys.stderr)
         return 2
     config = audit.AuditConfig(args.samples, args.positions, args.alpha, args.simulations, args.seed)  # ValueError: exit 2
-    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+    sampling = _options(args).sampling()
     engine = _engine(args)
     prompt_ids = _prompt_ids(engine, args)
     if args.self_test:
@@ -346,8 +370,7 @@ def cmd_chat(args) -> int:
     from runtime.chat import run_chat
 
     model = Model(_engine(args), max_queue=0)
-    return run_chat(model, system=args.system, max_tokens=args.max_new_tokens, temperature=args.temperature,
-                    top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    return run_chat(model, system=args.system, options=_options(args))
 
 
 def cmd_plan(args) -> int:
@@ -423,18 +446,15 @@ def cmd_handoff(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"]:
-        return bench_moved(argv)
+def build_parser() -> argparse.ArgumentParser:
+    """The command line, every subcommand and its options."""
     parser = _Parser(prog="python -m runtime", description="Run edge-spec bundles.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text from a prompt")
     _engine_args(gen)
     _prompt_args(gen)
-    gen.add_argument("--max-new-tokens", type=_integer(1), default=256)
-    gen.add_argument("--seed", type=_integer(0, 2**63 - 1))
+    _request_args(gen, "max_tokens", "seed")
     gen.add_argument("--stop", action="append", type=_text, help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _memory_budget_arg(gen)
@@ -501,11 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     chat = sub.add_parser("chat", help="chat in the terminal, with the bundle's chat template and history")
     _engine_args(chat)
     chat.add_argument("--system", type=_text, help="system prompt")
-    chat.add_argument("--max-new-tokens", type=_integer(1), default=512)
-    chat.add_argument("--temperature", type=_temperature(100.0), default=0.7)
-    chat.add_argument("--top-k", type=_integer(0), default=0)
-    chat.add_argument("--top-p", type=_number(0.0, 1.0, low_open=True), default=1.0)
-    chat.add_argument("--seed", type=_integer(0, 2**63 - 1))
+    _request_args(chat, "max_tokens", "temperature", "top_k", "top_p", "seed", max_tokens=512, temperature=0.7)
     chat.set_defaults(func=cmd_chat)
 
     plan = sub.add_parser("plan", help="memory plan of a bundle, part by part; exits 1 when it exceeds --memory-budget")
@@ -539,6 +555,14 @@ def main(argv: list[str] | None = None) -> int:
     handoff.add_argument("--json", action="store_true")
     handoff.set_defaults(func=cmd_handoff)
 
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        return bench_moved(argv)
+    parser = build_parser()
     args = parser.parse_args(argv)
     from edge_spec.manifest import BundleError
     from edge_spec.placement import PlacementError

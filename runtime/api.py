@@ -43,8 +43,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Iterator
 
-from edge_spec.sampling import SamplingConfig, SettingError, shown
-from runtime.engine import Engine, EngineConfig, GenerateConfig, GenerationResult, Prompt, PromptTooLongError, Speculation
+from edge_spec.params import shown
+from runtime.engine import Engine, EngineConfig, GenerationResult, Prompt, PromptTooLongError
+from runtime.requests import Options, Speculation
 from runtime.scheduler import BufferSink, Chunk, Failure, QueueFullError, QueueTimeoutError, Request, Scheduler, Sink
 
 STOP_REASONS = ("eos", "stop", "length", "context", "cancelled")
@@ -52,40 +53,6 @@ STOP_REASONS = ("eos", "stop", "length", "context", "cancelled")
 
 class ModelClosedError(RuntimeError):
     """The Model was closed; no new requests are taken."""
-
-
-@dataclass(frozen=True)
-class Options:
-    """Per-request settings. temperature 0 is greedy; top_k 0 and top_p 1 disable those filters;
-    seed None draws fresh randomness; stop strings end the text before their first occurrence."""
-
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    # Which drafter and γ cap this request decodes with (a Speculation or {"drafter", "max_gamma"});
-    # None: the Model's own. Checked against the bundle at submit.
-    speculation: Speculation | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise SettingError("max_tokens", f"max_tokens must be an integer >= 1, got {shown(self.max_tokens)}")
-        if self.stop is None or isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,) if self.stop else ())
-        stop = tuple(self.stop)
-        if not all(isinstance(s, str) and s for s in stop):
-            raise SettingError("stop", f"stop must be non-empty strings, got {shown(self.stop)}")
-        object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "speculation", Speculation.of(self.speculation))
-        self.sampling()  # validates temperature, top_k, top_p, seed
-
-    def sampling(self) -> SamplingConfig:
-        return SamplingConfig(self.temperature, self.top_k, self.top_p, self.seed)
-
-    def generate_config(self) -> GenerateConfig:
-        return GenerateConfig(self.max_tokens, self.sampling(), self.stop, self.speculation)
 
 
 class _SyncStream:

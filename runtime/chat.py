@@ -8,10 +8,12 @@ how many tokens, why it stopped, and how fast. Ctrl-C stops a reply; Ctrl-D or /
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import unicodedata
 
 from runtime.api import Model
+from runtime.requests import Options
 
 HELP = """commands:
   /reset         forget the conversation (keeps the system prompt)
@@ -52,8 +54,10 @@ def fit_history(model: Model, system: str | None, history: list[dict], user: str
         dropped += 1
 
 
-def run_chat(model: Model, system: str | None = None, max_tokens: int = 512, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, seed: int | None = None, input_fn=input, out=sys.stdout) -> int:
+def run_chat(model: Model, system: str | None = None, options: Options = Options(max_tokens=512), input_fn=input,
+             out=sys.stdout) -> int:
+    """options: every turn's settings; its max_tokens is capped by the context left, and a seed
+    goes up by one each turn."""
     if not model.has_chat_template:
         print("error: this bundle's tokenizer has no chat template; use `python -m runtime generate` with a raw prompt",
               file=sys.stderr)
@@ -66,7 +70,7 @@ def run_chat(model: Model, system: str | None = None, max_tokens: int = 512, tem
     out.write(f"edge-spec chat: {model.name} ({model.max_context} tokens of context). /help for commands, Ctrl-D quits.\n")
     out.flush()
     history: list[dict] = []
-    turn_seed = seed
+    max_tokens, turn_seed = options.max_tokens, options.seed
     while True:
         try:
             line = input_fn("you> ")
@@ -112,8 +116,8 @@ def run_chat(model: Model, system: str | None = None, max_tokens: int = 512, tem
             history = messages[(1 if system else 0) : -1]
             out.write(_dim(f"[dropped the {dropped} oldest exchange(s) to fit the context]", tty) + "\n")
         room = model.max_context - n_prompt
-        job = model.submit(messages=messages, max_tokens=max(1, min(max_tokens, room)), temperature=temperature,
-                           top_k=top_k, top_p=top_p, seed=turn_seed)
+        job = model.submit(messages=messages, options=dataclasses.replace(options, max_tokens=max(1, min(max_tokens, room)),
+                                                                          seed=turn_seed))
         if turn_seed is not None:
             turn_seed += 1  # reproducible, yet not the same draw every turn
         out.write("bot> ")

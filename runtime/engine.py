@@ -20,18 +20,16 @@ import numpy as np
 from edge_spec.budget import check_parallel, plan_bundle
 from edge_spec.commit import commit, stop_prefix_len
 from edge_spec.drafters import available_drafters, drafter_spec
-from edge_spec.manifest import BundleError, check_sha256
-from edge_spec.sampling import SamplingConfig, SettingError, shown
+from edge_spec.manifest import BundleError
+from edge_spec.params import SettingError, shown
 from runtime.drafters.base import Drafter, parts, use_clock
 from runtime.batch import batch_round, batched_target
 from runtime.calibration import calibrate, calibrated
-from runtime.gamma import MAX_GAMMA, CostModel, GammaConfig
-from runtime.kv_cache import KVCache
-from runtime.loader import Loader
+from runtime.gamma import CostModel, GammaConfig
+from runtime.loader import LoadConfig, Loader
 from runtime.loop import Step, decode_steps
-from runtime.model import ModelRunner
 from runtime.policy import RoundPolicy
-from runtime.requests import check_messages, check_prompt_text
+from runtime.requests import GenerateConfig, Speculation, check_messages, check_prompt_text
 from runtime.sessions import ProviderChoice
 from runtime.stats import Stats, summarize
 from runtime.tokenizer import StreamDecoder
@@ -93,39 +91,18 @@ def check_prompt(ids: Iterable[int], vocab: int, max_context: int) -> Prompt:
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    provider: str = "auto"
-    draft_provider: str | None = None  # None: same as provider
-    device_id: int = 0  # CUDA / DirectML adapter, for every role on a GPU provider
-    coreml_compute_units: str = "ALL"  # ALL | CPUAndNeuralEngine | CPUAndGPU | CPUOnly
-    coreml_static_shapes: bool = False
-    threads: int = 0
-    drafter: str = "auto"  # auto: copy when the text repeats, else the bundle's default draft
+class EngineConfig(LoadConfig):
+    """What the Loader reads (LoadConfig: providers, drafter, budget, ...) and how the Engine
+    chooses γ from it."""
+
     gamma: int | None = None  # None: adaptive
-    max_gamma: int = 8
     # The adaptive policy's other knobs (probes, loss ledger, α decay and prior); its fixed and
-    # max_gamma stay at their defaults: gamma and max_gamma above set them (gamma_for).
+    # max_gamma stay at their defaults: gamma and max_gamma set them (gamma_for).
     gamma_config: GammaConfig = GammaConfig()
-    allow_fallback: bool = False
-    check_hashes: bool = True
-    # The bundle digest (SHA-256 of manifest.json) its user trusts: any other bundle, or an edited
-    # manifest or chat template, is refused at load. None: the bundle is trusted as it is.
-    bundle_sha256: str | None = None
     calibrate: bool = True  # time target and draft passes at load, to seed the cost model
-    memory_budget: int | None = None  # bytes: refuse, before loading, a plan (edge_spec.budget) that exceeds it
-    profile_prefix: str | None = None  # ONNX Runtime profiling into files with this prefix (which provider ran each node)
-    # Every target pass scores at least 2 positions, so no logit depends on whether its token
-    # was drafted: greedy output is the same for every drafter and γ (measured at int8 and int4)
-    # (runtime/model.py; the cost is in BENCHMARKS.md).
-    block_stable: bool = False
-    # Tokens of earlier sequences the suffix drafters (suffix, auto+suffix) keep to copy from.
-    suffix_cache_tokens: int = 1 << 16  # about 20 MB of index at most (README: suffix cache)
 
     def __post_init__(self):
-        for name in ("threads", "device_id"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {shown(value)}")
+        super().__post_init__()
         if not isinstance(self.gamma_config, GammaConfig):
             raise ValueError(f"gamma_config must be a GammaConfig, got {shown(self.gamma_config)}")
         default = GammaConfig()
@@ -133,12 +110,6 @@ class EngineConfig:
             raise ValueError("set γ with EngineConfig(gamma=..., max_gamma=...), not in gamma_config "
                              f"(got gamma_config fixed={self.gamma_config.fixed}, max_gamma={self.gamma_config.max_gamma})")
         dataclasses.replace(self.gamma_config, fixed=self.gamma, max_gamma=self.max_gamma)  # raises ValueError on a γ it cannot run
-        if self.suffix_cache_tokens < 1:
-            raise ValueError(f"suffix_cache_tokens must be at least 1, got {self.suffix_cache_tokens}")
-        if self.bundle_sha256 is not None:
-            object.__setattr__(self, "bundle_sha256", check_sha256(self.bundle_sha256))
-            if not self.check_hashes:
-                raise ValueError("bundle_sha256 needs check_hashes=True: the digest covers the other files through their hashes")
 
     def gamma_for(self, cap: int | None = None) -> GammaConfig:
         """The γ config a generation runs with: gamma_config with this config's γ, both capped at
@@ -146,54 +117,6 @@ class EngineConfig:
         cap = self.max_gamma if cap is None else cap
         fixed = None if self.gamma is None else min(self.gamma, cap)
         return dataclasses.replace(self.gamma_config, fixed=fixed, max_gamma=cap)
-
-
-@dataclass(frozen=True)
-class Speculation:
-    """One request's speculation: a drafter the bundle has (Engine.available_drafters(); "none"
-    decodes plainly) and a cap on γ; None keeps the Engine's own choice. Greedy output does not
-    depend on it with fp32 bundles or in block-stable mode; it changes only the speed."""
-
-    drafter: str | None = None
-    max_gamma: int | None = None
-
-    def __post_init__(self):
-        if self.drafter is not None and not isinstance(self.drafter, str):
-            raise SettingError("speculation.drafter", f"speculation.drafter must be a string such as 'none', 'lookup' "
-                                                      f"or 'model', got {shown(self.drafter)}", code="invalid_type")
-        if self.max_gamma is not None and (isinstance(self.max_gamma, bool) or not isinstance(self.max_gamma, int)
-                                           or not 1 <= self.max_gamma <= MAX_GAMMA):
-            raise SettingError("speculation.max_gamma", f"speculation.max_gamma must be an integer 1..{MAX_GAMMA}, "
-                                                        f"got {shown(self.max_gamma)}")
-
-    @classmethod
-    def of(cls, value) -> "Speculation | None":
-        """A Speculation from itself, None or a {"drafter", "max_gamma"} mapping (the server's JSON)."""
-        if value is None or isinstance(value, cls):
-            return value
-        if not isinstance(value, dict):
-            raise SettingError("speculation", f'speculation must be an object like {{"drafter": "none"}}, got {shown(value)}',
-                               code="invalid_type")
-        unknown = sorted(str(k) for k in value if k not in ("drafter", "max_gamma"))
-        if unknown:
-            raise SettingError(f"speculation.{unknown[0][:40]}", f"speculation takes drafter and max_gamma, not "
-                                                                 f"{', '.join(unknown)[:80]}", code="unknown_parameter")
-        return cls(value.get("drafter"), value.get("max_gamma"))
-
-
-@dataclass(frozen=True)
-class GenerateConfig:
-    max_new_tokens: int = 256
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    stop: tuple[str, ...] = ()
-    speculation: Speculation | None = None  # None: the Engine's drafter and γ
-
-    def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must not be empty")
-        object.__setattr__(self, "speculation", Speculation.of(self.speculation))
 
 
 @dataclass
@@ -286,8 +209,8 @@ class Engine:
         self.loader = Loader(bundle_path, config, session_hook)
         self.bundle = self.loader.bundle
         self.tokenizer = self.loader.tokenizer
-        self.target = self._runner("target")
-        self.drafter = self._make_drafter(config.drafter)
+        self.target = self.loader.runner("target")
+        self.drafter = self.loader.drafter(config.drafter)
         self._drafters = {config.drafter: self.drafter}
         self._plans_fit: dict[str, bool] = {}  # by drafter kind, with config.memory_budget
         self.costs = CostModel()
@@ -323,27 +246,13 @@ class Engine:
     def provider_line(self) -> str:
         return self.loader.provider_line()
 
-    @property
-    def _sessions(self) -> dict[str, object]:
-        return self.loader.sessions
-
-    @property
-    def _caches(self) -> dict[str, KVCache]:
-        return self.loader.caches
-
-    def _runner(self, role: str, group: str = "target") -> ModelRunner:
-        return self.loader.runner(role, group)
-
-    def _make_drafter(self, kind: str) -> Drafter | None:
-        return self.loader.drafter(kind, self._runner)
-
     def use_drafter(self, kind: str, gamma: int | None = None) -> None:
         """Switch drafter (and γ policy) without reloading: sessions and buffers are reused."""
         drafter_spec(kind)  # an unknown name fails before anything changes
         self._idle("switch drafters")
         self.config = dataclasses.replace(self.config, drafter=kind, gamma=gamma)
         if kind not in self._drafters:
-            self._drafters[kind] = self._make_drafter(kind)
+            self._drafters[kind] = self.loader.drafter(kind)
         self.drafter = self._drafters[kind]
         if self.config.calibrate and not calibrated(self.costs, self.drafter):
             self.calibrate()
@@ -382,7 +291,7 @@ class Engine:
         drafter first chosen by a request is made and calibrated here, once."""
         kind = speculation.drafter if speculation is not None and speculation.drafter is not None else self.config.drafter
         if kind not in self._drafters:
-            self._drafters[kind] = self._make_drafter(kind)
+            self._drafters[kind] = self.loader.drafter(kind)
         drafter = self._drafters[kind]
         if self.config.calibrate and not calibrated(self.costs, drafter):
             calibrate(self.target, drafter, self.costs, self.bundle.manifest.tokenizer.eos_token_ids[0], self.config.max_gamma)

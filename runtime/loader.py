@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from dataclasses import dataclass
+from typing import Callable
 
 from edge_spec.budget import one_arena, plan_bundle
 from edge_spec.drafters import DrafterSpec, drafter_spec
-from edge_spec.manifest import BundleError, check_declared_io, load_head_tokens
+from edge_spec.manifest import BundleError, check_declared_io, check_sha256, load_head_tokens
+from edge_spec.params import shown
 from edge_spec.placement import check_bundle
 from edge_spec.profiles import load_verdict
 from runtime.bundle import open_bundle
@@ -24,15 +26,52 @@ from runtime.model import ModelRunner
 from runtime.sessions import NO_CPU_FALLBACK, ProviderChoice, SessionConfig, kv_device, open_session, ort, resolve_provider
 from runtime.tokenizer import BundleTokenizer
 
-if TYPE_CHECKING:
-    from runtime.engine import EngineConfig
+@dataclass(frozen=True)
+class LoadConfig:
+    """What loading a bundle reads: where each role group runs, which drafter to load (and plan
+    for), what to trust and check, and the memory budget. runtime.engine.EngineConfig adds the
+    γ policy's settings to it."""
+
+    provider: str = "auto"
+    draft_provider: str | None = None  # None: same as provider
+    device_id: int = 0  # CUDA / DirectML adapter, for every role on a GPU provider
+    coreml_compute_units: str = "ALL"  # ALL | CPUAndNeuralEngine | CPUAndGPU | CPUOnly
+    coreml_static_shapes: bool = False
+    threads: int = 0
+    drafter: str = "auto"  # auto: copy when the text repeats, else the bundle's default draft
+    max_gamma: int = 8  # verify blocks take max_gamma + 1 tokens (the memory plan counts them)
+    allow_fallback: bool = False
+    check_hashes: bool = True
+    # The bundle digest (SHA-256 of manifest.json) its user trusts: any other bundle, or an edited
+    # manifest or chat template, is refused at load. None: the bundle is trusted as it is.
+    bundle_sha256: str | None = None
+    memory_budget: int | None = None  # bytes: refuse, before loading, a plan (edge_spec.budget) that exceeds it
+    profile_prefix: str | None = None  # ONNX Runtime profiling into files with this prefix (which provider ran each node)
+    # Every target pass scores at least 2 positions, so no logit depends on whether its token
+    # was drafted: greedy output is the same for every drafter and γ (measured at int8 and int4)
+    # (runtime/model.py; the cost is in BENCHMARKS.md).
+    block_stable: bool = False
+    # Tokens of earlier sequences the suffix drafters (suffix, auto+suffix) keep to copy from.
+    suffix_cache_tokens: int = 1 << 16  # about 20 MB of index at most (README: suffix cache)
+
+    def __post_init__(self):
+        for name in ("threads", "device_id"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {shown(value)}")
+        if self.suffix_cache_tokens < 1:
+            raise ValueError(f"suffix_cache_tokens must be at least 1, got {self.suffix_cache_tokens}")
+        if self.bundle_sha256 is not None:
+            object.__setattr__(self, "bundle_sha256", check_sha256(self.bundle_sha256))
+            if not self.check_hashes:
+                raise ValueError("bundle_sha256 needs check_hashes=True: the digest covers the other files through their hashes")
 
 
 class Loader:
     """Opens what it can check before any session exists (bundle, memory plan, providers,
     placement, tokenizer); sessions, caches and runners come on demand and are shared."""
 
-    def __init__(self, bundle_path: str | Path, config: EngineConfig, session_hook: Callable[[str, object], object] | None = None):
+    def __init__(self, bundle_path: str | Path, config: LoadConfig, session_hook: Callable[[str, object], object] | None = None):
         """session_hook: for measurement tools (benchmarks/bench/timing.py), None in the product.
         Called once per stage session as it opens, with the stage key and the session (an ONNX
         Runtime InferenceSession or a Core ML stand-in); what it returns runs in its place and
@@ -145,16 +184,16 @@ class Loader:
         head_tokens = load_head_tokens(self.bundle.path, manifest, role) if info.trimmed_head is not None else None
         return ModelRunner(role, info, stages, [self.sessions[key] for key in info.stages], self.caches[owner], min_rows, head_tokens)
 
-    def drafter(self, kind: str, runner: Callable[..., ModelRunner] | None = None) -> Drafter | None:
-        """The drafter `kind` names (edge_spec/drafters.py), built by its BUILDERS entry;
-        runner(role, group=...) builds the runners its models need (default: this loader's)."""
+    def drafter(self, kind: str) -> Drafter | None:
+        """The drafter `kind` names (edge_spec/drafters.py), built by its BUILDERS entry over this
+        loader's runners."""
         spec = drafter_spec(kind)
-        return BUILDERS[kind](Build(lambda: self._model_drafter(spec, runner or self.runner), self.config.suffix_cache_tokens))
+        return BUILDERS[kind](Build(lambda: self._model_drafter(spec), self.config.suffix_cache_tokens))
 
-    def _model_drafter(self, spec: DrafterSpec, runner: Callable[..., ModelRunner]) -> Drafter | None:
+    def _model_drafter(self, spec: DrafterSpec) -> Drafter | None:
         role = spec.draft_role(self.bundle.manifest.default_draft)
         if role is None:
             return None
         self.bundle.require_role(role)
-        return ROLE_BUILDERS[role](runner)
+        return ROLE_BUILDERS[role](self.runner)
 

@@ -5,7 +5,11 @@ SettingError naming the field, which the server returns as a 400 and the API rai
 
 from __future__ import annotations
 
-from edge_spec.sampling import SettingError, shown
+from dataclasses import dataclass, field
+
+from edge_spec.params import SettingError, check_params, param, params, same_as, shown
+from edge_spec.sampling import SamplingConfig
+from runtime.gamma import MAX_GAMMA
 
 # developer is OpenAI's newer name for system; a role names a template branch, never free text,
 # so a role string can never carry special tokens into the rendered prompt.
@@ -65,4 +69,88 @@ def check_messages(messages) -> list[dict]:
     return clean
 
 
-__all__ = ["CHAT_ROLES", "SettingError", "check_messages", "check_prompt_text", "check_text"]
+
+@dataclass(frozen=True)
+class Speculation:
+    """One request's speculation: a drafter the bundle has (Engine.available_drafters(); "none"
+    decodes plainly) and a cap on γ; None keeps the Engine's own choice. Greedy output does not
+    depend on it with fp32 bundles or in block-stable mode; it changes only the speed."""
+
+    drafter: str | None = None
+    max_gamma: int | None = None
+
+    def __post_init__(self):
+        if self.drafter is not None and not isinstance(self.drafter, str):
+            raise SettingError("speculation.drafter", f"speculation.drafter must be a string such as 'none', 'lookup' "
+                                                      f"or 'model', got {shown(self.drafter)}", code="invalid_type")
+        if self.max_gamma is not None and (isinstance(self.max_gamma, bool) or not isinstance(self.max_gamma, int)
+                                           or not 1 <= self.max_gamma <= MAX_GAMMA):
+            raise SettingError("speculation.max_gamma", f"speculation.max_gamma must be an integer 1..{MAX_GAMMA}, "
+                                                        f"got {shown(self.max_gamma)}")
+
+    @classmethod
+    def of(cls, value) -> "Speculation | None":
+        """A Speculation from itself, None or a {"drafter", "max_gamma"} mapping (the server's JSON)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise SettingError("speculation", f'speculation must be an object like {{"drafter": "none"}}, got {shown(value)}',
+                               code="invalid_type")
+        unknown = sorted(str(k) for k in value if k not in ("drafter", "max_gamma"))
+        if unknown:
+            raise SettingError(f"speculation.{unknown[0][:40]}", f"speculation takes drafter and max_gamma, not "
+                                                                 f"{', '.join(unknown)[:80]}", code="unknown_parameter")
+        return cls(value.get("drafter"), value.get("max_gamma"))
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    max_new_tokens: int = 256
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    stop: tuple[str, ...] = ()
+    speculation: Speculation | None = None  # None: the Engine's drafter and γ
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        object.__setattr__(self, "speculation", Speculation.of(self.speculation))
+
+
+@dataclass(frozen=True)
+class Options:
+    """One request's settings: what the Python API takes by keyword, and what the command line's
+    flags and the server's fields are generated from (runtime/requests.py). The sampling fields
+    are SamplingConfig's own (same_as: declared once, in edge_spec/sampling.py); stop strings end
+    the text before their first occurrence."""
+
+    max_tokens: int = param(256, int, "tokens to generate at most", low=1, cli="--max-new-tokens", server=False)
+    temperature: float = same_as(SamplingConfig, "temperature")
+    top_k: int = same_as(SamplingConfig, "top_k")
+    top_p: float = same_as(SamplingConfig, "top_p")
+    seed: int | None = same_as(SamplingConfig, "seed")
+    stop: tuple[str, ...] = ()
+    # Which drafter and γ cap this request decodes with (a Speculation or {"drafter", "max_gamma"});
+    # None: the Model's own. Checked against the bundle at submit.
+    speculation: Speculation | None = None
+
+    def __post_init__(self) -> None:
+        check_params(self)
+        if self.stop is None or isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,) if self.stop else ())
+        stop = tuple(self.stop)
+        if not all(isinstance(s, str) and s for s in stop):
+            raise SettingError("stop", f"stop must be non-empty strings, got {shown(self.stop)}")
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "speculation", Speculation.of(self.speculation))
+        self.sampling()  # SamplingConfig's own checks across its fields
+
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(**{name: getattr(self, name) for name in params(SamplingConfig)})
+
+    def generate_config(self) -> GenerateConfig:
+        return GenerateConfig(self.max_tokens, self.sampling(), self.stop, self.speculation)
+
+
+__all__ = ["CHAT_ROLES", "GenerateConfig", "Options", "SettingError", "Speculation", "check_messages", "check_prompt_text", "check_text"]

@@ -607,7 +607,7 @@ def test_a_request_cannot_load_a_drafter_the_memory_budget_left_out(llama_bundle
         with pytest.raises(ValueError, match="would load more than the memory budget"):
             m.submit("the cat", speculation={"drafter": "model"})
         draft_stages = set(m.engine.bundle.manifest.models["draft"].stages) - set(m.engine.bundle.manifest.target.stages)
-        assert draft_stages and not draft_stages & set(m.engine._sessions)  # nothing was loaded for it
+        assert draft_stages and not draft_stages & set(m.engine.loader.sessions)  # nothing was loaded for it
         assert m.generate("the cat", max_tokens=2, speculation={"drafter": "none"}).speculation["drafter"] == "none"
     finally:
         m.close()

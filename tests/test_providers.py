@@ -86,8 +86,8 @@ def test_cpu_runs_for_real(llama_bundle):
     assert 1 <= len(speculative.token_ids) <= 5
     assert speculative.token_ids == plain.token_ids  # greedy: speculation changes nothing
     assert speculative.stats["drafted_tokens"] > 0  # the draft model's sessions really ran
-    assert len(engine._sessions) == len(_files(llama_bundle, "target") | _files(llama_bundle, "draft"))
-    for session in engine._sessions.values():
+    assert len(engine.loader.sessions) == len(_files(llama_bundle, "target") | _files(llama_bundle, "draft"))
+    for session in engine.loader.sessions.values():
         assert session.get_providers() == [CPU]
         assert session_provider(session) == "cpu" and session_device(session) == Device("cpu", 0)
     report = engine.provider_report()

@@ -537,7 +537,7 @@ def test_layer_skip_shares_target_stages(arch, bundles):
     assert runner.cache is engine.target.cache
     assert runner.sessions[0] is engine.target.sessions[0]
     assert runner.sessions[-1] is engine.target.sessions[-1]
-    assert len(engine._sessions) == len(target.stages)
+    assert len(engine.loader.sessions) == len(target.stages)
 
 
 def test_export_cli_writes_a_loadable_bundle(tiny_models, tmp_path, bundles):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from starlette.requests import ClientDisconnect, Request
 
-from edge_spec.sampling import SettingError
+from edge_spec.params import SettingError
 from runtime.api import Model
 from runtime.requests import check_text
 from runtime.server.errors import ApiError, ClientGone, value_error

@@ -6,7 +6,7 @@ import json
 
 from starlette.responses import JSONResponse
 
-from edge_spec.sampling import SettingError
+from edge_spec.params import SettingError
 
 
 class ApiError(Exception):

@@ -9,7 +9,7 @@ import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from edge_spec.sampling import SettingError, shown
+from edge_spec.params import SettingError, params, shown
 from runtime.api import Model, Options
 from runtime.engine import Prompt, PromptTooLongError
 from runtime.requests import check_messages
@@ -28,8 +28,9 @@ _COMMON_INERT = {
     "best_of": (1,),
 }
 # speculation (an extension): {"drafter": ..., "max_gamma": N} for this request; absent: the server's.
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "user",
-           "speculation"}
+# The numeric request settings come from their declarations (Options' Params, read by _settings).
+_COMMON = {"model", "max_tokens", "stop", "stream", "stream_options", "user", "speculation"} | {
+    name for name, p in params(Options).items() if p.server}
 # parse_special (an extension, as in llama.cpp's server): special-token strings in a raw prompt are
 # control tokens only when the caller asks; by default they are text.
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "logprobs", "parse_special"} | set(_COMMON_INERT)
@@ -62,6 +63,32 @@ def _number(body: dict, name: str, default: float, low: float, high: float) -> f
     if not low <= value <= high:
         raise value_error(name, f"{name} must be between {low:g} and {high:g}, got {value}")
     return float(value)
+
+
+def _settings(body: dict) -> dict:
+    """The request settings a body may carry (their Param on Options: type, range, and the
+    server's own default, upper bound and spellings of off), read generically: a new setting
+    is a field, not a line here."""
+    found = {}
+    for name, p in params(Options).items():
+        if not p.server:
+            continue
+        value = body.get(name)
+        if value is None:
+            if p.server_default is not None:
+                found[name] = p.server_default
+            continue
+        if any(value == off and isinstance(value, bool) == isinstance(off, bool) for off in p.server_off):
+            continue  # the field's default is its off
+        if p.kind is int:
+            value = _integer(body, name, None)
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise type_error(name, "a number", value)
+        high = p.server_high if p.server_high is not None else p.high
+        if not p.within(value, high):
+            raise value_error(name, f"{name} must be {p.describe(high)}, got {shown(value)}")
+        found[name] = float(value) if p.kind is float else value
+    return found
 
 
 def _boolean(body: dict, name: str, default: bool) -> bool:
@@ -141,15 +168,11 @@ class RequestParser:
                 break
         if max_tokens is None:
             max_tokens = default_tokens
-        temperature = _number(body, "temperature", 1.0, 0.0, 2.0)  # OpenAI's default; 0 is greedy
-        top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
-        top_k = _integer(body, "top_k", 0, -1, None)
-        seed = _integer(body, "seed", None, 0, 2**63 - 1)
-        if top_p == 0.0:  # the smallest nucleus: only the most likely token
-            temperature, top_p = 0.0, 1.0
+        if _neutral(body.get("top_p"), (0, 0.0)):  # OpenAI's smallest nucleus: only the most likely token
+            body = {**body, "temperature": 0.0, "top_p": None}
+        settings = _settings(body)
         try:  # Options is the API's own check (a temperature too small to scale the logits, ...)
-            options = Options(max_tokens=max_tokens, temperature=temperature, top_k=max(top_k, 0), top_p=top_p, seed=seed,
-                              stop=_stop(body), speculation=body.get("speculation"))
+            options = Options(max_tokens=max_tokens, stop=_stop(body), speculation=body.get("speculation"), **settings)
             self.model.engine.check_speculation(options.speculation)  # against the drafters this bundle has
             return options
         except SettingError as exc:
