@@ -138,10 +138,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", action="store_true", help="print the final summary as one JSON object")
     args = parser.parse_args(argv)
+    from export.sources import SourceError, check_source
+
+    try:  # a MODEL or draft no source can give is refused before torch is imported
+        for spec in (args.model, *(d for d in args.draft or () if d != "none" and not d.startswith("layer-skip"))):
+            check_source(spec)
+    except SourceError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
     from export.archs import UnsupportedArchitecture
     from export.bundle import FORMATS, LAYER_SKIP_PREFIX, ExportConfig, ExportError, default_drafts, export_bundle, peak_rss_bytes
-    from export.sources import SourceError
 
     drafts = tuple(args.draft) if args.draft else default_drafts(args.model)
     drafts = tuple(d for d in drafts if d != "none")

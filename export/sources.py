@@ -295,27 +295,51 @@ def candidate_sources(spec: str) -> list[Source]:
     return []
 
 
-@gguf_read_once()
-def load_config(spec: str):
-    """The first candidate source whose config loads, and that config (architecture checked,
-    no weights read); SourceError lists every source tried."""
+def _missing(source: Source) -> str | None:
+    """Why a local source cannot be read ("...: file not found"); None when it may be."""
+    local = Path(source.path) / source.gguf_file if source.gguf_file else Path(source.path)
+    if (source.gguf_file or local.suffix == ".gguf") and not local.is_file():
+        return f"{source.description}: file not found"
+    return None
+
+
+def _not_loaded(spec: str, tried: list[str]) -> SourceError:
+    hint = (
+        "download the checkpoint (`hf download ID`) or its GGUF into $EDGE_SPEC_MODELS "
+        f"(now {models_dir()}), or pass a local folder or .gguf path"
+    )
+    return SourceError(f"could not load {spec!r}; tried:\n  " + "\n  ".join(tried) + f"\n{hint}")
+
+
+def check_source(spec: str) -> None:
+    """SourceError for a MODEL no source can give (an unknown name, local files that are not
+    there), without importing torch or transformers: the command line refuses it at once;
+    load_config tries the sources that remain."""
     sources = candidate_sources(spec)
     if not sources:
         raise SourceError(
             f"unknown model {spec!r}: not a catalog alias ({', '.join(CATALOG)}), not a local folder "
             "or .gguf file, and not a hub id of the form owner/name"
         )
+    missing = [_missing(source) for source in sources]
+    if all(missing):
+        raise _not_loaded(spec, missing)
+
+
+@gguf_read_once()
+def load_config(spec: str):
+    """The first candidate source whose config loads, and that config (architecture checked,
+    no weights read); SourceError lists every source tried."""
+    check_source(spec)
     from transformers import AutoConfig
 
     from export.archs import arch_for
 
     tried = []
-    for source in sources:
-        if source.gguf_file and not (Path(source.path) / source.gguf_file).is_file():
-            tried.append(f"{source.description}: file not found")
-            continue
-        if source.gguf_file is None and Path(source.path).suffix == ".gguf":
-            tried.append(f"{source.description}: file not found")
+    for source in candidate_sources(spec):
+        why = _missing(source)
+        if why:
+            tried.append(why)
             continue
         try:
             config = AutoConfig.from_pretrained(source.path, **source.kwargs)
@@ -324,11 +348,7 @@ def load_config(spec: str):
             continue
         arch_for(config)  # refuse unsupported architectures before loading gigabytes
         return source, config
-    hint = (
-        "download the checkpoint (`hf download ID`) or its GGUF into $EDGE_SPEC_MODELS "
-        f"(now {models_dir()}), or pass a local folder or .gguf path"
-    )
-    raise SourceError(f"could not load {spec!r}; tried:\n  " + "\n  ".join(tried) + f"\n{hint}")
+    raise _not_loaded(spec, tried)
 
 
 @gguf_read_once()

@@ -23,21 +23,41 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker reads the groups
+FAMILIES = ("qwen", "smollm2", "gemma3")  # test_real_weights.py's tests go to workers by the model they load
+
+
 def pytest_collection_modifyitems(session, config, items):
     """Tests on real weights run last: the bundles they need are exported in the background
-    while the unit tests run (pytest_collection_finish).
-
-    Under pytest-xdist (README's test command: -n 2 --dist loadgroup) a file's tests run on one
-    worker, in order, so its module fixtures and a transformers model a file loads are made once;
-    test_real_weights.py goes by model family, so the longest file is not one worker's tail."""
+    while the unit tests run (pytest_collection_finish)."""
     real_items = [item for item in items if item.get_closest_marker("real_weights")]
     items[:] = [item for item in items if not item.get_closest_marker("real_weights")] + real_items
-    for item in items:
-        group = item.path.stem
-        if group == "test_real_weights":
-            group += "-" + next(family for family in ("qwen", "smollm2", "gemma3") if family in item.name)
-        item.add_marker(pytest.mark.xdist_group(group))
+
+
+def scope_of(nodeid: str) -> str:
+    """What one pytest-xdist worker runs together, in order: a file (its module fixtures and the
+    transformers model it loads are made once), test_real_weights.py by model family (so the
+    longest file is not one worker's tail)."""
+    path, _, name = nodeid.partition("::")
+    if path.endswith("test_real_weights.py"):
+        return f"{path}::{next((f for f in FAMILIES if f in name), 'other')}"
+    return path
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """README's test command (-n 2 --dist loadscope) schedules by scope_of, in collection order
+    (real weights last). xdist's own loadgroup marks do not reach pytest 9's node ids, and its
+    loadscope would group test_real_weights.py whole and reorder by size."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByScope(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return scope_of(nodeid)
+
+    config.option.loadscopereorder = False
+    return ByScope(config, log)
 
 
 def pytest_collection_finish(session):

@@ -131,7 +131,7 @@ def test_plan_of_four_batched_sequences_matches_peak_resident_memory(pair, tmp_p
     budget = round(plan_bundle(manifest, pair, "model", parallel=4).total_bytes * (1 + TOLERANCE))
     tokenizer = Tokenizer.from_file(str(pair / "tokenizer.json"))
     code = tokenizer.encode("".join((real.ROOT / f).read_text() for f in ("runtime/engine.py", "runtime/server/app.py", "runtime/api.py"))).ids
-    files, length = [], PROMPT_TOKENS // 2  # four prefills of a half-length prompt: the plan's slots, at half the test's time
+    files, length = [], PROMPT_TOKENS // 4  # four prefills of a quarter-length prompt: the plan's slots, at a quarter of the prefill
     for k in range(4):
         files.append(tmp_path / f"prompt{k}.txt")
         files[-1].write_text(tokenizer.decode(code[k * length : (k + 1) * length]))
