@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,24 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 FAMILIES = ("qwen", "smollm2", "gemma3")  # test_real_weights.py's tests go to workers by the model they load
+# Under README's -n 2 --dist loadscope: a file the controller names, into which each worker writes
+# the node ids of the real-weight tests it collected (the controller collects nothing itself).
+REAL_IDS = "EDGE_SPEC_XDIST_REAL_IDS"
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput") and config.getoption("dist", None) == "loadscope":
+        fd, path = tempfile.mkstemp(prefix="edge-spec-real-ids-")
+        os.close(fd)
+        os.environ[REAL_IDS] = path  # the workers, started after this, inherit it
+
+
+def pytest_unconfigure(config):
+    path = os.environ.get(REAL_IDS)
+    if path and not hasattr(config, "workerinput"):
+        del os.environ[REAL_IDS]
+        for written in Path(path).parent.glob(Path(path).name + "*"):
+            written.unlink(missing_ok=True)
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -31,30 +50,41 @@ def pytest_collection_modifyitems(session, config, items):
     while the unit tests run (pytest_collection_finish)."""
     real_items = [item for item in items if item.get_closest_marker("real_weights")]
     items[:] = [item for item in items if not item.get_closest_marker("real_weights")] + real_items
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker and os.environ.get(REAL_IDS):
+        Path(f"{os.environ[REAL_IDS]}.{worker}").write_text("\n".join(item.nodeid for item in real_items))
 
 
-def scope_of(nodeid: str) -> str:
-    """What one pytest-xdist worker runs together, in order: a file (its module fixtures and the
-    transformers model it loads are made once), test_real_weights.py by model family (so the
-    longest file is not one worker's tail)."""
+def scope_of(nodeid: str, real: set[str]) -> str:
+    """What one pytest-xdist worker runs together, in order: a file's unit tests (its module
+    fixtures are made once), apart from its real-weight tests (`real`), which wait for their
+    bundles and go last; test_real_weights.py's by model family, so the longest file is not one
+    worker's tail."""
     path, _, name = nodeid.partition("::")
+    if nodeid not in real:
+        return path
     if path.endswith("test_real_weights.py"):
         return f"{path}::{next((f for f in FAMILIES if f in name), 'other')}"
-    return path
+    return f"{path}::real"
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
     """README's test command (-n 2 --dist loadscope) schedules by scope_of, in collection order
     (real weights last). xdist's own loadgroup marks do not reach pytest 9's node ids, and its
-    loadscope would group test_real_weights.py whole and reorder by size."""
+    loadscope would group a file's unit and real-weight tests and reorder scopes by size."""
     if config.getvalue("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
+    written = Path(os.environ[REAL_IDS])
+
     class ByScope(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return scope_of(nodeid)
+            if not hasattr(self, "_real"):  # every worker has collected (and written) by the time scopes are split
+                files = sorted(written.parent.glob(written.name + ".*"))
+                self._real = set(files[0].read_text().split("\n")) if files else set()
+            return scope_of(nodeid, self._real)
 
     config.option.loadscopereorder = False
     return ByScope(config, log)
