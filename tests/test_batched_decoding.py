@@ -112,6 +112,45 @@ def test_the_sequence_holding_the_drafter_speculates_where_that_is_priced_to_pay
     assert rounds.get(0, 0) == (9 if batch_pass == "cheap" else 0)  # plain while the 9-token neighbour ran, or never
 
 
+def test_the_draft_model_is_fed_only_in_a_round_that_drafts(bundles, monkeypatch):
+    """Taking the drafter beside others does not make the batch wait for the draft model's
+    prefill: while speculating is priced not to pay (a batched pass made to look free), the
+    draft model runs nothing; it catches up in the first round it drafts, once its neighbours
+    have ended, and the answers are still the solo ones."""
+    import runtime.batch
+
+    engine = Engine(bundles["llama"], EngineConfig(drafter="model", gamma=3, calibrate=False))
+    configs = [GenerateConfig(max_new_tokens=24, speculation={"drafter": "model"}), GenerateConfig(max_new_tokens=4), GenerateConfig(max_new_tokens=9)]
+    solo = [engine.generate(p, dataclasses.replace(c, speculation={"drafter": "none"})).token_ids for p, c in zip(PROMPTS, configs)]
+    monkeypatch.setattr(engine.costs, "batch_cost", lambda rows: 1e-9 * rows)
+    events, step, draft = [], runtime.batch.BatchedTarget.step, engine.drafter.runner
+
+    def counted_step(self, slots, tokens):
+        events.append(("batch", len(slots)))
+        return step(self, slots, tokens)
+
+    for name in ("prefill", "forward"):
+        monkeypatch.setattr(draft, name, lambda *a, _run=getattr(draft, name), **k: events.append(("draft", 0)) or _run(*a, **k))
+    monkeypatch.setattr(runtime.batch.BatchedTarget, "step", counted_step)
+    results = engine.generate_batch(PROMPTS, configs)
+    assert [r.token_ids for r in results] == solo
+    last_shared = max(i for i, (kind, rows) in enumerate(events) if kind == "batch" and rows > 1)
+    first_draft = min(i for i, (kind, _) in enumerate(events) if kind == "draft")
+    assert first_draft > last_shared, events[: last_shared + 2]
+    assert results[0].stats.drafted_tokens > 0
+
+
+def _steady_costs(engine: Engine, monkeypatch) -> None:
+    """Pass times that do not move (a verify pass of k tokens 1 + 0.1 (k - 1) one-token passes, a
+    batched pass dear): whether a copy is drafted must not turn on a timing spike of a loaded
+    2-core host, which made the policy sit the copies out."""
+    costs = engine.costs
+    monkeypatch.setattr(costs, "target", {block: 1.0 + 0.1 * (block - 1) for block in range(1, 10)})
+    for name in ("record_target", "record_draft", "record_replay", "record_batch"):
+        monkeypatch.setattr(costs, name, lambda *args: None)
+    monkeypatch.setattr(costs, "batch_cost", lambda rows: 10.0 * rows)
+
+
 def _concurrently(model, requests: list[dict]) -> list:
     """Each request's result, all submitted at once from one event loop (async consumers take
     every chunk as it comes, so each sequence is ready for every pass)."""
@@ -129,7 +168,7 @@ def _first_pass_waits_for(model, others: int, monkeypatch) -> list[int]:
     def advance_slots(sequences):
         if not sizes:
             deadline = time.monotonic() + 20
-            while model._scheduler.waiting < others and time.monotonic() < deadline:
+            while len(sequences) + model._scheduler.waiting < others + 1 and time.monotonic() < deadline:
                 time.sleep(0.005)
         sizes.append(len(sequences))
         return advance(sequences)
@@ -158,6 +197,7 @@ def test_a_speculative_request_shares_the_passes_of_a_model_with_parallel_slots(
     engine = _engine(bundles["llama"])
     plain, spec = GenerateConfig(max_new_tokens=16), GenerateConfig(max_new_tokens=40, speculation={"drafter": "lookup"})
     solo = [engine.generate(p, plain) for p in PROMPTS[:2]] + [engine.generate(PROMPTS[2], spec)]
+    _steady_costs(engine, monkeypatch)
     model = Model(engine, parallel=3)
     sizes = _first_pass_waits_for(model, 2, monkeypatch)
     results = _concurrently(model, [dict(prompt_ids=PROMPTS[0], max_tokens=16, temperature=0), dict(prompt_ids=PROMPTS[1], max_tokens=16, temperature=0),
