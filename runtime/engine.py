@@ -453,7 +453,9 @@ class Engine:
                 continue
             self.policy.start(drafter, sequence.config.max_new_tokens, gamma)
             use_clock(drafter, time.perf_counter)
-            drafter.reset(sequence.tokens[:-1])
+            # Not fed now, while the batch waits: its first round catches up, priced as replay
+            # (speculation_pays), so a draft model that will not pay beside the batch costs nothing.
+            drafter.reset(sequence.tokens[:-1], prefill=False)
             self._drafting, self._drafter_of_slot = sequence, drafter
         return self._drafting if self._drafting in sequences else None
 

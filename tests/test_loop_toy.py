@@ -108,7 +108,7 @@ class ScriptedDrafter(CostsPasses):
     def accepted(self, tokens, n_accepted):
         self.accepted_calls.append((len(tokens), n_accepted))
 
-    def reset(self, tokens=np.zeros(0, dtype=np.int64)):
+    def reset(self, tokens=np.zeros(0, dtype=np.int64), prefill=True):
         self.reset_calls += 1
 
 

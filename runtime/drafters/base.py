@@ -67,9 +67,11 @@ class Drafter(ABC):
     def accepted(self, tokens: np.ndarray, n_accepted: int) -> None:
         """Learn the outcome of the last round; `tokens` is the new committed sequence."""
 
-    def reset(self, tokens: np.ndarray = np.zeros(0, dtype=np.int64)) -> None:
+    def reset(self, tokens: np.ndarray = np.zeros(0, dtype=np.int64), prefill: bool = True) -> None:
         """A new sequence starts with `tokens`: forget everything that is not a prefix of it
-        (so a repeated prompt prefix is not fed again)."""
+        (so a repeated prompt prefix is not fed again). prefill: a drafter that catches up feeds
+        itself `tokens` now (timed as prefill); else it does so in the first round it drafts,
+        where the policy prices that as replay."""
 
     def evidence(self, tokens: np.ndarray) -> int:
         """The class of situation a round after `tokens` drafts in, when acceptance differs by

@@ -50,7 +50,7 @@ class DraftModelDrafter(CatchesUp):
         # Never keep a row for the pending (last) token: the next round feeds it first.
         self.runner.cache.rollback_to_prefix(tokens[:-1])
 
-    def reset(self, tokens=()):
-        # Prefill the prompt now, so it is timed as prefill rather than as drafting.
+    def reset(self, tokens=(), prefill=True):
         self.runner.cache.rollback_to_prefix(tokens)
-        self.runner.prefill(np.asarray(tokens, dtype=np.int64)[self.runner.cache.kv_len :])
+        if prefill:  # now, so it is timed as prefill rather than as drafting
+            self.runner.prefill(np.asarray(tokens, dtype=np.int64)[self.runner.cache.kv_len :])

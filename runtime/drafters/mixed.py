@@ -31,6 +31,6 @@ class MixedDrafter(Selects):
         for part in self.parts():
             part.accepted(tokens, n_accepted)
 
-    def reset(self, tokens=()):
+    def reset(self, tokens=(), prefill=True):
         for part in self.parts():
-            part.reset(tokens)
+            part.reset(tokens, prefill)

@@ -164,7 +164,7 @@ class SuffixDrafter(Drafter):
     def accepted(self, tokens, n_accepted):
         self._seen = tokens
 
-    def reset(self, tokens=()):
+    def reset(self, tokens=(), prefill=True):
         self._copied = None
         if self._seen is not None:
             self.index.add(self._seen)
