@@ -85,7 +85,6 @@ REAL_BUNDLES = {
     "qwen05-cuda-int4": ("qwen2.5-coder-0.5b", "int4", (), 1024, "fused", "cuda"),
     # Gemma 3: 1024 positions reach past its 512-token sliding window.
     "gemma3-fp32": ("gemma-3-270m", "fp32", ("layer-skip:9",), 1024, "fused", "cpu"),
-    "gemma3-int8": ("gemma-3-270m", "int8", ("layer-skip:9",), 1024, "fused", "cpu"),
     "gemma3-int4": ("gemma-3-270m", "int4", ("layer-skip:9",), 1024, "fused", "cpu"),
     "gemma3-int4-b128": ("gemma-3-270m", "int4", ("layer-skip:9",), 1024, "fused", "cpu"),
     # SmolLM2 drafting for itself at coarser blocks (export --draft-block-size 128): the cheapest real pair.

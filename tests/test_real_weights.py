@@ -322,24 +322,23 @@ def test_gemma3_fp32_matches_transformers_and_speculates_exactly():
 
 
 def test_gemma3_quantized_top1_and_blocks_of_128_speculate_exactly():
-    """int8, int4 and int4 at blocks of 128 (export --block-size 128) run, and their top-1
-    agreement with transformers fp32 (README's Gemma rows, printed) comes from one pass of the
-    reference over the prompts. At blocks of 128 every quantized node has blocks of 128, its
+    """int4 and int4 at blocks of 128 (export --block-size 128) run, and their top-1 agreement
+    with transformers fp32 (README's Gemma rows, printed) comes from one pass of the reference
+    over the prompts (int8's quantization runs on real weights in SmolLM2's int8 bundle). At blocks of 128 every quantized node has blocks of 128, its
     top-1 is below blocks of 32's (the blocks changed the numbers) but above the floor README
     states, and in block-stable mode greedy speculation equals greedy plain on it (at int4 a
     near-tie can otherwise resolve differently in a longer pass)."""
     import onnx
 
     real.need(real.GEMMA3)
-    int8, int4, b128 = real.bundle("gemma3-int8"), real.bundle("gemma3-int4"), real.bundle("gemma3-int4-b128")
+    int4, b128 = real.bundle("gemma3-int4"), real.bundle("gemma3-int4-b128")
     engine = Engine(b128, EngineConfig(provider="cpu", drafter="none", calibrate=False))
     assert engine.bundle.manifest.target.block_size == 128
     blocks = {onnx.helper.get_attribute_value(a) for stage in engine.bundle.manifest.stages.values()
               for n in onnx.load(str(b128 / stage.file), load_external_data=False).graph.node
               if n.op_type in ("MatMulNBits", "GatherBlockQuantized") for a in n.attribute if a.name == "block_size"}
     assert blocks == {128}
-    rows = _top1_against_transformers([int8, int4, b128], real.GEMMA3, n_humaneval=0, raw_prompts=GEMMA_PROMPTS + [GEMMA_LONG_PROMPT])
-    assert rows[int8.name]["top1"] >= 0.9, rows
+    rows = _top1_against_transformers([int4, b128], real.GEMMA3, n_humaneval=0, raw_prompts=GEMMA_PROMPTS + [GEMMA_LONG_PROMPT])
     assert rows[int4.name]["top1"] >= 0.6, rows
     assert 0.8 <= rows[b128.name]["top1"] < rows[int4.name]["top1"], rows
     engine = Engine(b128, EngineConfig(provider="cpu", drafter="none", calibrate=False, block_stable=True))
