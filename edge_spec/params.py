@@ -1,6 +1,7 @@
 """Request settings declared once: a dataclass field's `Param` says its kind, range and help, and
-every reader of requests (the frozen configs' own checks, the command line, the HTTP server,
-the Python API) reads them from it (runtime/requests.py generates the readers)."""
+every reader of requests reads them from it: the frozen configs' own checks (check_params), the
+command line (runtime/__main__.py `_request_args`) and the HTTP server (runtime/server/schema.py
+`_settings`)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def shown(value, limit: int = 40) -> str:
 
 @dataclass(frozen=True)
 class Param:
-    """One numeric request setting. `off` is the value that disables it (the field's default);
+    """One numeric request setting, whose field's default is the value that turns it off;
     server_default/server_high/server_off are the OpenAI-compatible server's differences (its
     default where OpenAI's differs, a tighter upper bound, other spellings of off)."""
 

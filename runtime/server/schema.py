@@ -78,7 +78,7 @@ def _settings(body: dict) -> dict:
             if p.server_default is not None:
                 found[name] = p.server_default
             continue
-        if any(value == off and isinstance(value, bool) == isinstance(off, bool) for off in p.server_off):
+        if _neutral(value, p.server_off):
             continue  # the field's default is its off
         if p.kind is int:
             value = _integer(body, name, None)
