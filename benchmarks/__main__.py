@@ -15,6 +15,7 @@ python -m benchmarks load_run BUNDLE [--waves 3] [--clients 32] [--slow 10] [--o
 python -m benchmarks heap_probe BUNDLE [--waves 30] [--clients 12] [--oversized 4] [--arenas N] [--out FILE.json]
 python -m benchmarks serve_clients BUNDLE [--servers auto:1,none:1,none:4] [--clients 1,2,4] [--prompts SPEC] [--max-tokens 128] [--rounds 2] [--out FILE.json]
 python -m benchmarks batch_curve BUNDLE [--batch 1,2,4,8] [--kv-len 512] [--repeats 20] [--prompts SPEC] [--decode 64] [--out FILE.json]
+python -m benchmarks policy_trace BUNDLE --out FILE.json [--prompts SPEC] [--target-ms 10,1.5] [--draft-ms 2.5,0.4] | --compare A.json B.json
 python -m benchmarks export_time MODEL --old CHECKOUT [--new CHECKOUT] [--repeats 2] [--out FILE.json] [-- EXPORT ARGS]
 python -m benchmarks summary DIR... (summary.json from each DIR/results.json of `python -m benchmarks bench`)"""
 
@@ -146,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.batch_curve import main as batch_curve
 
         return batch_curve(argv[1:])
+    if argv[:1] == ["policy_trace"]:
+        from benchmarks.policy_trace import main as policy_trace
+
+        return policy_trace(argv[1:])
     if argv[:1] == ["export_time"]:
         from benchmarks.export_time import main as export_time
 

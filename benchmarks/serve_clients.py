@@ -115,6 +115,7 @@ def run(args: argparse.Namespace) -> dict:
         firsts = [t for run in runs for t in run["first_token_s"] if t is not None]
         table.append({"server": server, "clients": clients, "rounds": len(runs),
                       "tokens_per_s": round(statistics.median(run["tokens"] / run["wall_s"] for run in runs), 2),
+                      "tokens_per_s_by_round": [round(run["tokens"] / run["wall_s"], 2) for run in runs],
                       "first_token_p50_s": round(_percentile(firsts, 0.5), 3), "first_token_p95_s": round(_percentile(firsts, 0.95), 3)})
     names = [s["server"] for s in servers]
     same = {}

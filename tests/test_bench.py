@@ -355,3 +355,24 @@ def test_results_record_the_cpu_features_that_set_multi_token_pass_costs(bench_o
     machine = json.loads((bench_out / "results.json").read_text())["machine"]
     if Path("/proc/cpuinfo").exists():
         assert machine["isa"] == cpu_features()["isa"] and "cpu" in machine
+
+
+def test_policy_trace_replays_the_same_rounds_and_compare_finds_where_they_part(llama_bundle, tmp_path, capsys):
+    """`policy_trace` under its virtual clock: the same code and costs play the same rounds (so two
+    commits can be compared round for round), and other costs (a draft model dearer than the
+    target pass) change them, which --compare reports with exit 1."""
+    prompts = _write_prompts(tmp_path / "p.jsonl", PROMPTS)
+    runs = {}
+    for name, draft_ms in (("a", "0.5,0.1"), ("b", "0.5,0.1"), ("dear", "50,1")):
+        runs[name] = tmp_path / f"{name}.json"
+        argv = ["policy_trace", str(llama_bundle), "--prompts", str(prompts), "--max-new-tokens", "30", "--target-ms", "10,1.5",
+                "--draft-ms", draft_ms, "--out", str(runs[name])]
+        assert main(argv) == 0
+    rounds = json.loads(runs["a"].read_text())["rounds"]
+    assert set(rounds) == {p["id"] for p in PROMPTS}
+    assert any(r[1] > 0 and r[0] == "model" for played in rounds.values() for r in played)  # the cheap draft model drafts
+    assert main(["policy_trace", "--compare", str(runs["a"]), str(runs["b"])]) == 0
+    assert "4/4 prompts play the same rounds" in capsys.readouterr().out
+    assert main(["policy_trace", "--compare", str(runs["a"]), str(runs["dear"])]) == 1
+    report = json.loads(capsys.readouterr().out.rsplit("\n", 2)[0])
+    assert any(r["first_difference"] is not None for r in report.values())
