@@ -21,8 +21,6 @@ import statistics
 import time
 from pathlib import Path
 
-import numpy as np
-
 
 def _positive_list(text: str) -> list[int]:
     try:

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import numpy as np
-
 from edge_spec.verify import expected_tokens_per_pass
 from runtime.drafters.base import Drafter, Proposal, parts
 from runtime.gamma import CostModel, GammaConfig

@@ -56,8 +56,9 @@ def test_a_slot_outside_the_step_keeps_its_rows_and_length(bundles):
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_quantized_rows_do_not_depend_on_the_other_rows_of_a_batch(quant_bundles, quant):
     """A sequence's row is the same whatever else the batch holds; at int8 also the same as its
-    1-row pass, while at int4 a 1-row pass takes other kernels than a pass of 2 or more rows
-    (README, Greedy exactness)."""
+    1-row pass. At int4 that depends on the host: MLAS's 1-row int4 kernel rounded differently
+    from its many-row kernel on an AVX2 host and identically on an AVX-512/VNNI AMD host (README,
+    Batched decoding), so only the independence from other rows is asserted there."""
     target = batched_target(_engine(quant_bundles[quant]).loader, 4)
     rows = {}
     for batch in (1, 2, 3, 4):
@@ -66,7 +67,8 @@ def test_quantized_rows_do_not_depend_on_the_other_rows_of_a_batch(quant_bundles
             target.runner(slot).prefill(PROMPTS[slot % len(PROMPTS)][:-1])
         rows[batch] = target.step(list(range(batch)), [PROMPTS[s % len(PROMPTS)][-1] for s in range(batch)])[0]
     assert np.array_equal(rows[2], rows[3]) and np.array_equal(rows[2], rows[4])
-    assert np.array_equal(rows[1], rows[2]) == (quant == "int8")
+    if quant == "int8":
+        assert np.array_equal(rows[1], rows[2])
 
 
 def test_portable_graphs_are_refused_with_the_reason(portable_bundle):
@@ -91,8 +93,19 @@ def test_generate_batch_gives_each_prompt_its_solo_result(bundles):
 
 
 def test_generate_batch_refuses_a_block_stable_engine(bundles):
+    """Why: a batched pass attends with one query row per sequence (CPU GroupQueryAttention
+    refuses a block of several beside other sequences, tests/test_batched_attention.py), and
+    that row is the 1-row pass's, not the row a block-stable pass of 2 computes, even at fp32."""
+    engine = Engine(bundles["llama"], EngineConfig(drafter="none", calibrate=False, block_stable=True))
     with pytest.raises(ValueError, match="not block-stable"):
-        Engine(bundles["llama"], EngineConfig(drafter="none", calibrate=False, block_stable=True)).generate_batch(PROMPTS)
+        engine.generate_batch(PROMPTS)
+    target, prompt = batched_target(engine.loader, 2), PROMPTS[1]
+    for slot in (0, 1):
+        target.runner(slot).prefill(prompt[:-1])
+    batched = target.step([0, 1], [prompt[-1]] * 2)[0]
+    engine.target.prefill(prompt[:-1])
+    stable = engine.target.forward([prompt[-1]])[0]  # a 2-row pass, its second row dropped
+    assert not np.array_equal(batched, stable)
 
 
 @pytest.mark.parametrize("batch_pass", ["cheap", "dear"])
@@ -261,18 +274,30 @@ def test_a_slot_keeps_the_rows_a_later_prompt_starts_with(bundles):
 
 
 @pytest.mark.real_weights
-def test_smollm2_four_batched_greedy_answers_equal_their_solo_answers():
-    """Real weights (SmolLM2 int8, its target cut in stages for the layer-skip draft): four chat
-    prompts decoded together give each its plain decoding's tokens, and a row of a batched pass
-    does not depend on what else the batch holds."""
+def test_real_weights_four_batched_greedy_answers_equal_their_solo_answers():
+    """Real weights at fp32 (Qwen2.5-Coder 0.5B, fused): four chat prompts decoded together give
+    each its plain decoding's tokens. At int8 that is a kernel fact of the host, not a promise:
+    on an AVX-512/VNNI host one of these four SmolLM2 int8 answers parted at its 17th token
+    (README, Batched decoding)."""
+    from tests import real
+
+    real.need(real.QWEN_DRAFT)
+    engine = Engine(real.bundle("qwen05-fp32"), EngineConfig(provider="cpu", drafter="none", calibrate=False))
+    prompts = [engine.encode(messages=m) for m in real.humaneval_messages(4)]
+    config = GenerateConfig(max_new_tokens=32)
+    solo = [engine.generate(p, config).token_ids for p in prompts]
+    assert [r.token_ids for r in engine.generate_batch(prompts, config)] == solo
+
+
+@pytest.mark.real_weights
+def test_smollm2_int8_batched_rows_do_not_depend_on_the_others():
+    """Real weights (SmolLM2 int8, its target cut in stages for the layer-skip draft): a row of a
+    batched pass is the same whatever else the batch holds and whichever slot it takes."""
     from tests import real
 
     real.need(real.SMOLLM2)
     engine = Engine(real.bundle("smollm2-int8"), EngineConfig(provider="cpu", drafter="none", calibrate=False))
     prompts = [engine.encode(messages=m) for m in real.humaneval_messages(4)]
-    config = GenerateConfig(max_new_tokens=32)
-    solo = [engine.generate(p, config).token_ids for p in prompts]
-    assert [r.token_ids for r in engine.generate_batch(prompts, config)] == solo
     target = engine.batched(4)
     rows = []
     for order in ([0, 1, 2, 3], [3, 2, 1, 0]):  # the same sequence beside others, in another slot
