@@ -14,6 +14,7 @@ python -m benchmarks gpu_kit --out DIR (--download | --wheel FILE | --no-wheels)
 python -m benchmarks load_run BUNDLE [--waves 3] [--clients 32] [--slow 10] [--oversized 4] [--disconnect 0] [--wrong-keys-from 0] [--out FILE.json]
 python -m benchmarks heap_probe BUNDLE [--waves 30] [--clients 12] [--oversized 4] [--arenas N] [--out FILE.json]
 python -m benchmarks serve_clients BUNDLE [--servers auto:1,none:1,none:4] [--clients 1,2,4] [--prompts SPEC] [--max-tokens 128] [--rounds 2] [--out FILE.json]
+python -m benchmarks context_curve BUNDLE... [--kv-lens 128,512,1536] [--blocks 1,4] [--repeats 20] [--rounds 3] [--out FILE.json]
 python -m benchmarks batch_curve BUNDLE [--batch 1,2,4,8] [--kv-len 512] [--repeats 20] [--prompts SPEC] [--decode 64] [--out FILE.json]
 python -m benchmarks policy_trace BUNDLE --out FILE.json [--prompts SPEC] [--target-ms 10,1.5] [--draft-ms 2.5,0.4] | --compare A.json B.json
 python -m benchmarks export_time MODEL --old CHECKOUT [--new CHECKOUT] [--repeats 2] [--out FILE.json] [-- EXPORT ARGS]
@@ -143,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.serve_clients import main as serve_clients
 
         return serve_clients(argv[1:])
+    if argv[:1] == ["context_curve"]:
+        from benchmarks.context_curve import main as context_curve
+
+        return context_curve(argv[1:])
     if argv[:1] == ["batch_curve"]:
         from benchmarks.batch_curve import main as batch_curve
 

@@ -22,13 +22,13 @@ import time
 from pathlib import Path
 
 
-def _positive_list(text: str) -> list[int]:
+def positive_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, got {text!r}") from None
     if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"batch sizes must be at least 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected numbers of at least 1, got {text!r}")
     return sorted(set(values))
 
 
@@ -128,7 +128,7 @@ def decode(engine, prompts: list[list[int]], n: int, repeats: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks batch_curve", description=__doc__.splitlines()[2])
     parser.add_argument("bundle")
-    parser.add_argument("--batch", type=_positive_list, default=[1, 2, 4, 8], help="batch sizes, comma-separated")
+    parser.add_argument("--batch", type=positive_list, default=[1, 2, 4, 8], help="batch sizes, comma-separated")
     parser.add_argument("--kv-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--prompts", default="humaneval:30-34,stdlib-edit:8-12", help="as bench's --prompts; the first max(--batch) are decoded")

@@ -53,7 +53,7 @@ def present_value(layer: int) -> str:
 # comparison or range op is left in the graph: the ops the Core ML EP takes (--device coreml).
 ATTENTION_KINDS = ("fused", "portable", "masked")
 POSITION_IDS = "position_ids"  # int64 [T]: kv_len + 0..T-1
-ATTENTION_BIAS = "attention_bias"  # float32 [T, max_context + T]: 0 where a row may attend, MASKED elsewhere
+ATTENTION_BIAS = "attention_bias"  # float32 [T, P + T]: 0 where a row may attend, MASKED elsewhere
 MASKED = -1e9  # added to the scores of positions a row must not see
 
 
@@ -78,8 +78,8 @@ def stage_outputs(head: bool, layers: range, attention: str = "fused") -> list[s
 
 def position_feeds(inputs, start: int, block: int, max_context: int = 0) -> dict:
     """The position inputs a stage takes (KV_LEN; SEQLENS_K and TOTAL_SEQ_LEN; or POSITION_IDS
-    and ATTENTION_BIAS over a past buffer of max_context rows) for a block of `block` tokens at
-    row `start`, as the numpy arrays the graph declares."""
+    and ATTENTION_BIAS over the max_context past rows fed) for a block of `block` tokens at row
+    `start`, as the numpy arrays the graph declares."""
     feeds = {}
     if POSITION_IDS in inputs:
         feeds[POSITION_IDS] = np.arange(start, start + block, dtype=np.int64)

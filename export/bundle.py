@@ -18,9 +18,9 @@ import numpy as np
 from edge_spec import layer_subset as ls
 from edge_spec import manifest as mf
 from edge_spec import names
-from edge_spec.budget import ExportChoice, ModelFacts, choose_export, matmul_bytes_per_weight, predict_weights
+from edge_spec.budget import PREFILL_CHUNK, ExportChoice, ModelFacts, choose_export, matmul_bytes_per_weight, predict_weights
 from edge_spec.catalog import CATALOG
-from edge_spec.placement import check_bundle
+from edge_spec.placement import check_bundle, input_dim_limit
 from edge_spec.profiles import PROFILES, DeviceProfile
 from export.archs import arch_for, check_context
 from export.onnx_graphs import finish_stage, trace_stage
@@ -128,6 +128,12 @@ class ExportConfig:
         refusal = PROFILES[self.device].refusal(self.quant, self.attention) if known else None
         if refusal:
             raise ExportError(refusal)
+        limit = input_dim_limit(self.device)
+        if limit and self.max_context + PREFILL_CHUNK > limit:
+            # The masked graphs' past and mask widths are symbolic, so the placement check cannot see them.
+            raise ExportError(f"--max-context {self.max_context}: --device {self.device} attends over up to that many past rows plus a "
+                              f"block of up to {PREFILL_CHUNK}, and the provider takes no input dimension above {limit} "
+                              f"(choose at most {limit - PREFILL_CHUNK})")
         if "coreml" in self.formats and self.device not in ("cpu", "coreml"):
             raise ExportError(f"--device {self.device} --format coreml: Core ML packages run on Apple devices; export them with --device coreml or cpu")
 

@@ -93,7 +93,9 @@ def trace_stage(stage: StageModule, layers: range, max_context: int, hidden_size
     for name in input_names:
         args.append(example[name] if name in example else torch.zeros(kv_shape, dtype=torch.float32))
     dynamic_axes = {names.INPUT_IDS: {1: "T"}, names.HIDDEN_IN: {1: "T"}, names.LOGIT_POSITIONS: {0: "N"}, names.POSITION_IDS: {0: "T"}}
-    dynamic_axes[names.ATTENTION_BIAS] = {0: "T", 1: "MAX_PLUS_T"}
+    dynamic_axes[names.ATTENTION_BIAS] = {0: "T", 1: "P_PLUS_T" if stage.dynamic_past else "MAX_PLUS_T"}
+    if stage.dynamic_past:
+        dynamic_axes.update({n: {2: "P"} for n in input_names if n.startswith("past_")})
     dynamic_axes.update({n: {1: "N"} for n in (names.LOGITS,)})
     dynamic_axes.update({names.HIDDEN_OUT: {1: "T"}})
     dynamic_axes.update({n: {2: "T"} for n in output_names if n.startswith("new_")})

@@ -393,5 +393,28 @@ def quantize_stage(model: onnx.ModelProto, weights, dst: Path, quant: str, activ
         del converted.graph.value_info[:]
         converted.graph.value_info.extend(kept)
         converted = convert_float_to_float16(converted, keep_io_types=True, disable_shape_infer=True, op_block_list=["GroupQueryAttention"])
+        cast_before_concat(converted)
     save(converted, dst)
     return kept_as
+
+
+def cast_before_concat(model: onnx.ModelProto) -> None:
+    """A graph output cast back to float32 from a Concat (the coreml profile's LM head, in slices
+    no wider than the Core ML EP's limit) is cast slice by slice and concatenated in float32: the
+    same values, and no node input as wide as the vocabulary (a single Cast of the whole row
+    would fall to the CPU EP)."""
+    outputs = {o.name for o in model.graph.output}
+    producers = {out: node for node in model.graph.node for out in node.output}
+    for cast in [n for n in model.graph.node if n.op_type == "Cast" and n.output[0] in outputs]:
+        concat = producers.get(cast.input[0])
+        if concat is None or concat.op_type != "Concat" or sum(1 for n in model.graph.node if cast.input[0] in n.input) != 1:
+            continue
+        to = next(a for a in cast.attribute if a.name == "to")
+        casts = [onnx.helper.make_node("Cast", [x], [f"{x}_as_output_type"], name=f"{cast.name}_{i}", to=to.i) for i, x in enumerate(concat.input)]
+        index = list(model.graph.node).index(concat)
+        for offset, node in enumerate(casts):
+            model.graph.node.insert(index + offset, node)
+        del concat.input[:]
+        concat.input.extend(c.output[0] for c in casts)
+        concat.output[0] = cast.output[0]
+        model.graph.node.remove(cast)

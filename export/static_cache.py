@@ -102,8 +102,9 @@ class StageModule(nn.Module):
 
     forward(x, position, logit_positions, *past) -> (logits | hidden, KV outputs ...)
     position is kv_len [1] (portable), (seqlens_k [B], total_seq_len []) int32 (fused) or
-    (position_ids [T], attention_bias [T, MAX+T]) (masked); past is
-    past_key.i, past_value.i for each layer i, each [B, kv_heads, max_context, head_dim]. B is 1
+    (position_ids [T], attention_bias [T, P+T]) (masked); past is
+    past_key.i, past_value.i for each layer i, each [B, kv_heads, max_context, head_dim] (masked
+    without windows: [1, kv_heads, P, head_dim], P <= max_context the rows the runtime feeds). B is 1
     but in fused graphs, which take a batch of sequences (one slot of KV buffers each).
     fused_norm: RMS norms as one SimplifiedLayerNormalization node (float16 profiles).
     head_tokens: the LM-head rows to keep, in order (a trimmed draft head); None: the first vocab_rows.
@@ -132,6 +133,11 @@ class StageModule(nn.Module):
         self.scale = float(spec.attention_scale(config))
         self.softcap = spec.logit_softcap(config)
         self.windows = tuple(spec.windows(config)[layer_start:layer_end])  # per layer of this stage, 0 = global
+        # Masked graphs take the past buffers cut to the rows in use (width P, symbolic), so a pass
+        # costs in proportion to the context, not --max-context; windowed layers find a key's
+        # position from the full buffer's row number, which needs the constant width. Decided per
+        # model, not per stage: every stage of a role reads the same buffers.
+        self.dynamic_past = attention == "masked" and not any(spec.windows(config))
         layer_kinds = spec.rope_kinds(config)[layer_start:layer_end]
         # One rotary table per kind the stage's layers use (Gemma 3: local and global); the
         # first is named as a single-table model's always was.
@@ -313,9 +319,11 @@ class StageModule(nn.Module):
         out = out.reshape(1, self.n_heads, block, self.head_dim).transpose(1, 2).reshape(1, block, -1)  # [1,T,H*D]
         return attn.o_proj(out), k, v
 
-    def _masked_attention(self, layer, x, cos, sin, past_bias, new_bias, past_key, past_value):
+    def _masked_attention(self, layer, x, cos, sin, bias, past_key, past_value):
         """The portable computation with every reshape to a constant shape, the mask added as
-        the runtime's bias, and rotate-half without Neg: ops the Core ML EP builds."""
+        the runtime's bias, and rotate-half without Neg: ops the Core ML EP builds. The block's
+        scores and values are appended to the past's, so nothing is sliced at the past's width,
+        which the runtime may cut to the rows in use (dynamic_past)."""
         attn = layer.self_attn
         heads, kv_heads, dim = self.n_heads, self.n_kv_heads, self.head_dim
         q, k, v = self.project(layer, x)
@@ -326,11 +334,12 @@ class StageModule(nn.Module):
         q = q * cos + torch.cat((q[..., half:] * -1.0, q[..., :half]), dim=-1) * sin
         k = k * cos + torch.cat((k[..., half:] * -1.0, k[..., :half]), dim=-1) * sin
         q = q.reshape(1, kv_heads, -1, dim)  # [1,KVH,G*T,D]: rows ordered (group, position), as the bias
-        scores_past = torch.matmul(q, past_key.transpose(2, 3)) * self.scale + past_bias  # [1,KVH,G*T,MAX]
-        scores_new = torch.matmul(q, k.transpose(2, 3)) * self.scale + new_bias  # [1,KVH,G*T,T]
-        probs = torch.softmax(torch.cat([scores_past, scores_new], dim=-1), dim=-1)
-        max_context = past_key.shape[2]
-        out = torch.matmul(probs[..., :max_context], past_value) + torch.matmul(probs[..., max_context:], v)
+        # Scores against the past and the block apart (ONNX Runtime fuses each transpose and scale
+        # into its MatMul), then one Concat of the values: appending the keys too costs more.
+        scores = torch.cat([torch.matmul(q, past_key.transpose(2, 3)) * self.scale,
+                            torch.matmul(q, k.transpose(2, 3)) * self.scale], dim=-1) + bias  # [1,KVH,G*T,P+T]
+        values = torch.cat([past_value, v], dim=2)  # [1,KVH,P+T,D]
+        out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [1,KVH,G*T,D]
         out = out.reshape(1, heads, -1, dim).transpose(1, 2).reshape(1, -1, heads * dim)  # [1,T,H*D]
         return attn.o_proj(out), k, v
 
@@ -356,13 +365,12 @@ class StageModule(nn.Module):
                 h, present_key, present_value = self.layer_block(layer, h, attend)
                 new_kv += [present_key, present_value]
         elif len(self.layers) and self.attention == "masked":
-            position_ids, bias = position  # int64 [T], float32 [T, MAX+T]
+            position_ids, bias = position  # int64 [T], float32 [T, P+T]
             tables = [
                 (torch.index_select(self.rope_table(r, "cos_cache"), 0, position_ids)[None, None],  # [1,1,T,D]
                  torch.index_select(self.rope_table(r, "sin_cache"), 0, position_ids)[None, None])
                 for r in range(len(self.rope_kinds))
             ]
-            max_context = past[0].shape[2]
             group = self.n_heads // self.n_kv_heads
             biases = {}
             for window in sorted(set(self.windows)):
@@ -372,16 +380,14 @@ class StageModule(nn.Module):
                     # position j), in float arithmetic: the Core ML EP builds no comparison, Max or
                     # Relu, so relu(x) = (x + sqrt(x * x)) / 2, exact on these whole numbers.
                     positions = position_ids.float()
-                    key_pos = torch.cat([torch.arange(max_context, dtype=torch.float32), positions])  # [MAX+T]
+                    key_pos = torch.cat([torch.arange(past[0].shape[2], dtype=torch.float32), positions])  # [MAX+T]
                     behind = positions[:, None] - key_pos[None, :] - (window - 1)  # [T,MAX+T]: > 0 outside the window
                     windowed = bias + (behind + torch.sqrt(behind * behind)) * (0.5 * names.MASKED)
-                windowed = torch.cat([windowed] * group, dim=0)[None, None]  # [1,1,G*T,MAX+T]: Concat, not repeat's Expand
-                biases[window] = (windowed[..., :max_context], windowed[..., max_context:])
+                biases[window] = torch.cat([windowed] * group, dim=0)[None, None]  # [1,1,G*T,P+T]: Concat, not repeat's Expand
             for i, layer in enumerate(self.layers):
                 cos, sin = tables[self.layer_rope[i]]
-                past_bias, new_bias = biases[self.windows[i]]
-                attend = lambda y, i=i, cos=cos, sin=sin, pb=past_bias, nb=new_bias: self._masked_attention(
-                    self.layers[i], y, cos, sin, pb, nb, past[2 * i], past[2 * i + 1]
+                attend = lambda y, i=i, cos=cos, sin=sin, b=biases[self.windows[i]]: self._masked_attention(
+                    self.layers[i], y, cos, sin, b, past[2 * i], past[2 * i + 1]
                 )
                 h, k, v = self.layer_block(layer, h, attend)
                 new_kv += [k, v]

@@ -13,6 +13,11 @@ class ContextFullError(Exception):
     pass
 
 
+# Views that grow on demand (KVCache.grow_on_demand) span a multiple of this many rows: never a
+# 0-wide input (the Core ML EP refuses 0 dimensions) and few distinct shapes.
+PAST_BUCKET = 64
+
+
 class KVCache:
     """Preallocated keys/values for a set of layers, plus `kv_len` and the token of each row.
 
@@ -48,6 +53,8 @@ class KVCache:
             self.values = {layer: alloc() for layer in layers}
         self._nbytes = 2 * len(layers) * int(np.prod(shape)) * np.dtype(dtype).itemsize
         self._ortvalues: dict[int, tuple] = {}
+        self.capacity = max_context  # rows each buffer's view spans; fewer once grow_on_demand is on
+        self._storage: tuple[dict, dict] | None = None  # the flat buffers behind the views, once views may grow
         self.row_tokens = np.full(max_context, -1, dtype=np.int64)  # [MAX]
         self.kv_len = 0
 
@@ -66,6 +73,41 @@ class KVCache:
                 self._ortvalues[layer] = (self.keys[layer], self.values[layer])
         return self._ortvalues[layer]
 
+    def grow_on_demand(self) -> None:
+        """Keep each buffer a contiguous [1,KVH,capacity,D] view over its memory, capacity a
+        multiple of PAST_BUCKET at least the rows in use, widened in place when a block needs
+        more (fit): a masked graph with a symbolic past width reads every row it is fed, and a
+        prefix of a [1,KVH,MAX,D] buffer is not contiguous (a copy each pass costs more than the
+        rows it saves). Host buffers only; the memory stays one max_context buffer per layer."""
+        if self._storage is not None or self.device is not None:
+            return
+        self._storage = ({l: k.reshape(-1) for l, k in self.keys.items()}, {l: v.reshape(-1) for l, v in self.values.items()})
+        self._relayout(max(self._bucket(self.kv_len), min(PAST_BUCKET, self.max_context)))
+
+    @staticmethod
+    def _bucket(rows: int) -> int:
+        return -(-rows // PAST_BUCKET) * PAST_BUCKET
+
+    def fit(self, rows: int) -> None:
+        """Make the views span at least `rows` rows, a quarter more than they did at least (each
+        move copies the rows once; a pass reads at most a quarter more than it needs); no-op
+        unless grow_on_demand is on."""
+        if self._storage is not None and rows > self.capacity:
+            self._relayout(min(self.max_context, max(self._bucket(self.capacity + self.capacity // 4), self._bucket(rows))))
+
+    def _relayout(self, capacity: int) -> None:
+        """Re-view every buffer as [1,KVH,capacity,D], rows [0, min(old, new)) of each head kept."""
+        old, kept = self.capacity, min(self.capacity, capacity)
+        for buffers, flat in zip((self.keys, self.values), self._storage):
+            for layer, array in buffers.items():
+                heads, dim = array.shape[1], array.shape[3]
+                memory = flat[layer]
+                # Widening moves heads up (last head first), narrowing down (first head first), so no head overwrites one not yet moved.
+                for head in (range(heads - 1, 0, -1) if capacity > old else range(1, heads)):
+                    memory[head * capacity * dim : (head * capacity + kept) * dim] = memory[head * old * dim : (head * old + kept) * dim]
+                buffers[layer] = memory[: heads * capacity * dim].reshape(1, heads, capacity, dim)
+        self.capacity = capacity
+
     def feeds(self, layers: range) -> dict[str, np.ndarray]:
         feeds = {}
         for layer in layers:
@@ -76,6 +118,7 @@ class KVCache:
     def check_room(self, start: int, block: int) -> None:
         if start + block > self.max_context:
             raise ContextFullError(f"context full: {start} + {block} tokens exceed max context {self.max_context}")
+        self.fit(start + block)
 
     def write_rows(self, layers: range, new_kv: Sequence[np.ndarray], start: int) -> None:
         """Copy a block's new keys/values ([1,KVH,T,D] each, key then value per layer) into
@@ -109,6 +152,11 @@ class KVCache:
 
     def reset(self) -> None:
         self.kv_len = 0
+        if self._storage is not None:  # no row is kept: narrow the views without moving any
+            self.capacity = min(self.capacity, PAST_BUCKET)
+            for buffers in (self.keys, self.values):
+                for layer, array in buffers.items():
+                    buffers[layer] = array.reshape(-1)[: array.shape[1] * self.capacity * array.shape[3]].reshape(1, array.shape[1], self.capacity, array.shape[3])
 
 
 class KVSlots:

@@ -49,6 +49,12 @@ class ModelRunner:
             list(stage.outputs) if hasattr(session, "io_binding") else names.stage_outputs(stage.head, stage.layers, "portable")
             for stage, session in zip(stages, sessions)
         ]
+        # Masked graphs with a symbolic past width (all of a role's stages or none: the exporter
+        # decides per model) read the buffers as wide as the rows in use.
+        if any(stage.attention == "masked" and hasattr(session, "get_inputs")
+               and any(i.name.startswith("past_") and not isinstance(i.shape[2], int) for i in session.get_inputs())
+               for stage, session in zip(stages, sessions)):
+            cache.grow_on_demand()
         # float16 masked graphs (--device dml) take the mask in float16, MASKED clamped to its range.
         self._float16_bias = [
             any(i.name == names.ATTENTION_BIAS and i.type == "tensor(float16)" for i in session.get_inputs()) if hasattr(session, "get_inputs") else False
@@ -75,7 +81,7 @@ class ModelRunner:
         KV rows, and return its first output (hidden [1,T,H] or logits [1,N,V])."""
         stage = self.stages[index]
         binding = self._bindings[index]
-        positions = names.position_feeds(self._input_names[index], start, x.shape[1], self.cache.max_context)
+        positions = names.position_feeds(self._input_names[index], start, x.shape[1], self.cache.capacity)
         if self._float16_bias[index]:
             positions[names.ATTENTION_BIAS] = np.maximum(positions[names.ATTENTION_BIAS], np.finfo(np.float16).min).astype(np.float16)
         if binding is not None:

@@ -267,6 +267,21 @@ def test_ab_passes_cli(llama_bundle, tmp_path):
     assert "T=3: old" in done.stdout
 
 
+def test_context_curve_cli(llama_bundle, tmp_path):
+    """`python -m benchmarks context_curve`: each bundle timed in its own process every round,
+    kv_lens past a bundle's context skipped, the median of the rounds written; a folder that is
+    not a bundle is refused in one line before anything runs."""
+    out = tmp_path / "curve.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks", "context_curve", str(llama_bundle), "--kv-lens", "4,8,100000",
+                           "--blocks", "1,2", "--repeats", "2", "--rounds", "2", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    row = json.loads(out.read_text())["bundles"][str(llama_bundle)]
+    assert set(row["ms"]) == {"4/1", "4/2", "8/1", "8/2"} and len(row["rounds"]) == 2
+    assert all(row["ms"][k] == pytest.approx(statistics.median(r[k] for r in row["rounds"])) for k in row["ms"])
+    refused = subprocess.run([sys.executable, "-m", "benchmarks", "context_curve", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 2 and "not a bundle" in refused.stderr.strip().splitlines()[-1]
+
+
 def test_spinning_cli(llama_bundle, tmp_path):
     """`python -m benchmarks spinning`: both settings timed on every pass, ratios written."""
     out = tmp_path / "spin.json"

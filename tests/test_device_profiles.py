@@ -216,6 +216,39 @@ def test_coreml_masked_graphs_match_transformers_and_speculate_exactly(coreml_bu
     assert not ops & {"Range", "Less", "LessOrEqual", "Expand", "Neg", "ConstantOfShape", "Cos", "Sin"}, ops
 
 
+def test_coreml_passes_read_the_rows_in_use_not_the_whole_buffer(tiny_models, hf_models, tmp_path, monkeypatch):
+    """The masked graphs' past width is symbolic and each pass is fed names.past_width rows, so its
+    cost follows the context, not --max-context; the logits stay transformers'."""
+    bundle = tmp_path / "llama-coreml-512"
+    tiny.export(tiny_models.llama, bundle, quant="fp32", max_context=512, device="coreml")
+    for stage in load_manifest(bundle).stages.values():
+        if stage.layers:
+            graph = onnx.load(str(bundle / stage.file), load_external_data=False).graph
+            past = next(i for i in graph.input if i.name.startswith("past_"))
+            assert past.type.tensor_type.shape.dim[2].dim_param == "P", stage.file
+    engine = _cpu_engine(bundle)
+    widths = []
+    for session in engine.target.sessions:
+        run = session.run
+
+        def spy(output_names, feeds, *args, run=run, **kwargs):
+            widths.extend(v.shape[2] for k, v in feeds.items() if k.startswith("past_"))
+            return run(output_names, feeds, *args, **kwargs)
+
+        monkeypatch.setattr(session, "run", spy)
+    model, tokenizer = hf_models["llama"]
+    ids = tokenizer(" ".join([tiny.PROMPT] * 2)).input_ids
+    logits = engine.target.forward(ids[:-3])
+    logits = np.concatenate([logits, engine.target.forward(ids[-3:])])
+    np.testing.assert_allclose(logits, tiny.hf_logits(model, ids), atol=1e-4, rtol=1e-4)
+    assert widths and set(widths) == {64}  # the rows in use, to the bucket: not the 512 of --max-context
+    engine.target.forward(ids * 8)  # past 128 rows: the views widen (in place, the rows kept)
+    assert engine.target.cache.capacity == widths[-1] == -(-len(ids) * 9 // 64) * 64
+    np.testing.assert_allclose(engine.target.forward(ids[:3]), tiny.hf_logits(model, ids * 9 + ids[:3])[-3:], atol=1e-4, rtol=1e-4)
+    engine.target.cache.reset()
+    assert engine.target.cache.capacity == 64
+
+
 def test_an_op_the_table_lacks_fails_the_check(tmp_path):
     """A graph with one op no table lists, and one with a known op at a type the kernel lacks."""
     from onnx import TensorProto, helper
@@ -344,6 +377,24 @@ def test_coreml_graphs_slice_what_is_wider_than_the_limit(wide_coreml):
     assert _cpu_engine(new, "layer-skip", 3).generate(ids[:12], config).token_ids == plain
 
 
+def test_coreml_fp16_casts_the_head_slice_by_slice(wide_coreml, tmp_path):
+    """--device coreml --quant fp16 keeps float32 logits: the converter's one Cast of the whole
+    row (16,500 wide) would fall to the CPU EP, so each head slice is cast and the slices are
+    concatenated in float32. Every node places; the logits are the fp32 bundle's within float16
+    rounding."""
+    fp16 = tmp_path / "wide-fp16"
+    tiny.export(wide_coreml["model"], fp16, quant="fp16", device="coreml")
+    report = check_bundle(load_manifest(fp16), fp16, "coreml")
+    assert report.ok, report.summary()
+    graph = onnx.load(str(fp16 / "target.onnx"), load_external_data=False).graph
+    head = next(n for n in graph.node if names.LOGITS in n.output)
+    producers = {o: n for n in graph.node for o in n.output}
+    assert head.op_type == "Concat" and [producers[i].op_type for i in head.input] == ["Cast", "Cast"]
+    model, tokenizer = tiny.load_hf(wide_coreml["model"])
+    ids = tokenizer(tiny.PROMPT).input_ids + [16499, 16384]
+    np.testing.assert_allclose(_cpu_engine(fp16).target.forward(ids), _cpu_engine(wide_coreml["new"]).target.forward(ids), atol=2e-2)
+
+
 def test_cuda_gather_block_quantized_needs_onnxruntime_1_23(cuda_bundles):
     """NVIDIA's older Jetson builds have no CUDA GatherBlockQuantized: checked for the
     onnxruntime the bundle will run on; a version that is not one is refused at parse time."""
@@ -409,6 +460,7 @@ def test_kernel_facts_are_data_with_their_source():
         (("--device", "coreml", "--quant", "int4"), "--device coreml --quant int4"),
         (("--device", "coreml", "--quant", "fp32", "--attention", "fused"), "--device coreml --attention fused"),
         (("--device", "cuda", "--format", "onnx,coreml"), "Core ML packages run on Apple devices"),
+        (("--device", "coreml", "--quant", "fp32", "--max-context", "32768"), "no input dimension above 16384"),
     ],
 )
 def test_export_refuses_what_a_profile_cannot_express(args, message, tiny_models, tmp_path):

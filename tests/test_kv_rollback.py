@@ -209,3 +209,31 @@ def test_feeds_and_room():
     assert cache.nbytes == 2 * 2 * 8 * 2 * 4
     cache.reset()
     assert cache.kv_len == 0 and cache.rollback_to_prefix([1, 2, 3]) == 0
+
+
+def test_views_that_grow_keep_every_row_of_every_head():
+    """grow_on_demand (masked graphs with a symbolic past width): contiguous views as wide as the
+    rows in use, widened in place; every head's rows survive each move."""
+    cache = KVCache(range(2), n_kv_heads=3, max_context=512, head_dim=4)
+    cache.grow_on_demand()
+    assert cache.capacity == 64 and cache.keys[0].shape == (1, 3, 64, 4)
+    rng = np.random.default_rng(0)
+    expected = {layer: np.zeros((2, 3, 0, 4), dtype=np.float32) for layer in cache.layers}  # keys, values
+    capacities = []
+    for block in (40, 30, 70, 100, 200, 60):
+        start = cache.kv_len
+        cache.check_room(start, block)
+        new = [rng.standard_normal((1, 3, block, 4)).astype(np.float32) for _ in range(4)]
+        cache.write_rows(cache.layers, new, start)
+        cache.extend(np.arange(start, start + block))
+        for i, layer in enumerate(cache.layers):
+            expected[layer] = np.concatenate([expected[layer], np.concatenate([new[2 * i], new[2 * i + 1]])], axis=2)
+        capacities.append(cache.capacity)
+        for layer in cache.layers:
+            assert cache.keys[layer].flags.c_contiguous and cache.keys[layer].shape[2] == cache.capacity
+            np.testing.assert_array_equal(cache.keys[layer][0, :, : cache.kv_len], expected[layer][0])
+            np.testing.assert_array_equal(cache.values[layer][0, :, : cache.kv_len], expected[layer][1])
+    assert capacities == [64, 128, 192, 256, 448, 512]
+    assert cache.feeds(range(1, 2))["past_key.1"] is cache.keys[1]  # the view itself: no copy per pass
+    cache.reset()
+    assert cache.capacity == 64 and cache.keys[0].shape == (1, 3, 64, 4)

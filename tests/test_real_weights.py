@@ -238,6 +238,17 @@ def test_smollm2_coreml_profile_slices_what_the_core_ml_ep_would_refuse():
     logits = np.concatenate([engine.target.forward(ids[:9]), engine.target.forward(ids[9:])])
     assert np.abs(logits - reference).max() < 1e-3
     assert (logits.argmax(-1) == reference.argmax(-1)).all()
+    # Passes read the rows in use (a symbolic past width, views widened in place), not --max-context's 1024.
+    past = next(i for i in onnx.load(str(bundle / manifest.stages["target"].file), load_external_data=False).graph.input if i.name.startswith("past_"))
+    assert past.type.tensor_type.shape.dim[2].dim_param == "P"
+    longer = (ids * 20)[:150]
+    with torch.no_grad():
+        reference = model(torch.tensor([longer])).logits[0, 120:].numpy()
+    engine.target.cache.reset()
+    engine.target.forward(longer[:50], n_logits=1)
+    assert engine.target.cache.capacity == 64
+    logits = np.concatenate([engine.target.forward(longer[50:130])[-10:], engine.target.forward(longer[130:])])
+    assert engine.target.cache.capacity == 192 and np.abs(logits - reference).max() < 1e-3
 
     named = set()
     with tempfile.TemporaryDirectory() as tmp, tiny.coreml_graphs_without_slices():
