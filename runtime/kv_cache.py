@@ -75,10 +75,10 @@ class KVCache:
 
     def grow_on_demand(self) -> None:
         """Keep each buffer a contiguous [1,KVH,capacity,D] view over its memory, capacity a
-        multiple of PAST_BUCKET at least the rows in use, widened in place when a block needs
-        more (fit): a masked graph with a symbolic past width reads every row it is fed, and a
-        prefix of a [1,KVH,MAX,D] buffer is not contiguous (a copy each pass costs more than the
-        rows it saves). Host buffers only; the memory stays one max_context buffer per layer."""
+        multiple of PAST_BUCKET at least the rows in use, widened in place before a pass writes
+        past it (fit): a masked graph with a symbolic past width reads every row it is fed, and
+        a prefix of a [1,KVH,MAX,D] buffer is not contiguous (a copy each pass costs more than
+        the rows it saves). Host buffers only; the memory stays one max_context buffer per layer."""
         if self._storage is not None or self.device is not None:
             return
         self._storage = ({l: k.reshape(-1) for l, k in self.keys.items()}, {l: v.reshape(-1) for l, v in self.values.items()})
@@ -118,7 +118,6 @@ class KVCache:
     def check_room(self, start: int, block: int) -> None:
         if start + block > self.max_context:
             raise ContextFullError(f"context full: {start} + {block} tokens exceed max context {self.max_context}")
-        self.fit(start + block)
 
     def write_rows(self, layers: range, new_kv: Sequence[np.ndarray], start: int) -> None:
         """Copy a block's new keys/values ([1,KVH,T,D] each, key then value per layer) into

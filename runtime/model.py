@@ -121,6 +121,7 @@ class ModelRunner:
         if self.min_rows > 1:
             trunk_hidden = None  # a layer-skip draft computed those trunk rows in 1-row passes
             token_ids = np.concatenate([token_ids, np.repeat(token_ids[-1:], pad)])
+        self.cache.fit(start + len(token_ids))  # the rows this pass writes, padding included
         n_trunk_done = 0 if trunk_hidden is None else trunk_hidden.shape[1]
         x = token_ids[None, n_trunk_done:]
         for index in range(len(self.stages)):

@@ -247,6 +247,12 @@ def test_coreml_passes_read_the_rows_in_use_not_the_whole_buffer(tiny_models, hf
     np.testing.assert_allclose(engine.target.forward(ids[:3]), tiny.hf_logits(model, ids * 9 + ids[:3])[-3:], atol=1e-4, rtol=1e-4)
     engine.target.cache.reset()
     assert engine.target.cache.capacity == 64
+    # Block-stable passes pad a 1-token block to 2 rows: the views widen for the padding too.
+    stable = Engine(bundle, EngineConfig(provider="cpu", drafter="none", calibrate=False, block_stable=True))
+    longer = (ids * 10)[:64]
+    stable.target.forward(longer[:63], n_logits=1)
+    np.testing.assert_allclose(stable.target.forward(longer[63:]), tiny.hf_logits(model, longer)[-1:], atol=1e-4, rtol=1e-4)
+    assert stable.target.cache.capacity == 128 and stable.target.cache.kv_len == 64
 
 
 def test_an_op_the_table_lacks_fails_the_check(tmp_path):

@@ -223,6 +223,7 @@ def test_views_that_grow_keep_every_row_of_every_head():
     for block in (40, 30, 70, 100, 200, 60):
         start = cache.kv_len
         cache.check_room(start, block)
+        cache.fit(start + block)
         new = [rng.standard_normal((1, 3, block, 4)).astype(np.float32) for _ in range(4)]
         cache.write_rows(cache.layers, new, start)
         cache.extend(np.arange(start, start + block))
