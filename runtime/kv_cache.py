@@ -105,7 +105,14 @@ class KVCache:
                 # Widening moves heads up (last head first), narrowing down (first head first), so no head overwrites one not yet moved.
                 for head in (range(heads - 1, 0, -1) if capacity > old else range(1, heads)):
                     memory[head * capacity * dim : (head * capacity + kept) * dim] = memory[head * old * dim : (head * old + kept) * dim]
-                buffers[layer] = memory[: heads * capacity * dim].reshape(1, heads, capacity, dim)
+        self._view(capacity)
+
+    def _view(self, capacity: int) -> None:
+        """Every buffer re-viewed as [1,KVH,capacity,D] over its memory, nothing moved."""
+        for buffers, flat in zip((self.keys, self.values), self._storage):
+            for layer, array in buffers.items():
+                heads, dim = array.shape[1], array.shape[3]
+                buffers[layer] = flat[layer][: heads * capacity * dim].reshape(1, heads, capacity, dim)
         self.capacity = capacity
 
     def feeds(self, layers: range) -> dict[str, np.ndarray]:
@@ -152,10 +159,7 @@ class KVCache:
     def reset(self) -> None:
         self.kv_len = 0
         if self._storage is not None:  # no row is kept: narrow the views without moving any
-            self.capacity = min(self.capacity, PAST_BUCKET)
-            for buffers in (self.keys, self.values):
-                for layer, array in buffers.items():
-                    buffers[layer] = array.reshape(-1)[: array.shape[1] * self.capacity * array.shape[3]].reshape(1, array.shape[1], self.capacity, array.shape[3])
+            self._view(min(self.capacity, PAST_BUCKET))
 
 
 class KVSlots:
