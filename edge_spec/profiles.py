@@ -50,7 +50,7 @@ PROFILES = {
     # DirectML registers no GatherBlockQuantized: the embedding table stays float16 there. Its
     # GroupQueryAttention computes something else (see _DML_WHY): masked attention, rotary in the
     # graph, the KV rows copied in by the runtime.
-    # Its MatMulNBits reads no implicit zero point (edge_spec/kernels/semantics.json): every node gets one.
+    # Its MatMulNBits (171d616) takes a node only with the zero-point input (edge_spec/kernels/semantics.json): every node gets one.
     "dml": DeviceProfile("dml", "dml", "float16", "float16", ("masked",), ("int4", "int8", "fp16"), _DML_WHY, quantized_embedding=False,
                          zero_points=True),
     "coreml": DeviceProfile(

@@ -38,7 +38,12 @@ class ModelRunner:
         self.sessions = sessions
         self.cache = cache
         self.vocab_size = info.arch.vocab_size
-        self._bindings = [self._bind_in_place(stage, session) for stage, session in zip(stages, sessions)]
+        self._bindings = [self._bind_in_place(stage, session, cache.device is not None) for stage, session in zip(stages, sessions)]
+        # KV on a GPU (runtime.sessions.kv_device): the hidden states between stages stay there too,
+        # bound as device OrtValues from one stage's output to the next one's input; only logits come back.
+        self.device = cache.device if cache.device is not None and all(b is not None for b in self._bindings) else None
+        # Host copies of activations (hidden states and logits), for the GPU check's count per pass.
+        self.copies = {"hidden_to_host": 0, "hidden_to_device": 0, "logits_to_host": 0, "passes": 0}
         # A session without I/O binding (a Core ML package) takes kv_len and returns the new rows,
         # as portable graphs do.
         self._input_names = [
@@ -61,10 +66,11 @@ class ModelRunner:
             for session in sessions
         ]
 
-    def _bind_in_place(self, stage: StageInfo, session):
+    def _bind_in_place(self, stage: StageInfo, session, on_device: bool):
         """A fused stage reads and writes the KV buffers in place: bind each past_* input and its
-        present_* output to the same cache array once; they never move."""
-        if stage.attention != "fused" or not stage.layers or not hasattr(session, "io_binding"):
+        present_* output to the same cache array once; they never move. With the KV on a device,
+        a stage without layers (the head) is bound too, to take its input there."""
+        if not hasattr(session, "io_binding") or not (on_device or (stage.attention == "fused" and stage.layers)):
             return None
         binding = session.io_binding()
         binding.bind_output(stage.outputs[0], "cpu")  # bound first, so get_outputs()[0] is it
@@ -76,22 +82,33 @@ class ModelRunner:
             binding.bind_ortvalue_output(names.present_value(layer), value)
         return binding
 
-    def run_stage(self, index: int, x: np.ndarray, start: int, logit_positions: np.ndarray | None = None) -> np.ndarray:
+    def run_stage(self, index: int, x, start: int, logit_positions: np.ndarray | None = None):
         """Run stage `index` on x (ids [1,T] or hidden [1,T,H]) at position `start`, write its
-        KV rows, and return its first output (hidden [1,T,H] or logits [1,N,V])."""
+        KV rows, and return its first output (hidden [1,T,H] or logits [1,N,V]). On a device
+        (self.device) a hidden state comes and goes as a device OrtValue; `to_host` reads one."""
         stage = self.stages[index]
         binding = self._bindings[index]
-        positions = names.position_feeds(self._input_names[index], start, x.shape[1], self.cache.capacity)
+        rows = x.shape[1] if isinstance(x, np.ndarray) else x.shape()[1]  # an OrtValue's shape is a method
+        positions = names.position_feeds(self._input_names[index], start, rows, self.cache.capacity)
         if self._float16_bias[index]:
             positions[names.ATTENTION_BIAS] = np.maximum(positions[names.ATTENTION_BIAS], np.finfo(np.float16).min).astype(np.float16)
         if binding is not None:
-            binding.bind_cpu_input(stage.inputs[0], np.ascontiguousarray(x))
+            if isinstance(x, np.ndarray):
+                binding.bind_cpu_input(stage.inputs[0], np.ascontiguousarray(x))
+                self.copies["hidden_to_device"] += self.device is not None and index > 0
+            else:
+                binding.bind_ortvalue_input(stage.inputs[0], x)
             for name, value in positions.items():
                 binding.bind_cpu_input(name, value)
             if stage.head:
                 binding.bind_cpu_input(names.LOGIT_POSITIONS, logit_positions)
-            binding.bind_output(stage.outputs[0], "cpu")  # unallocated again: its shape varies with T
+            on_device = self.device is not None and not stage.head
+            # Unallocated again each run: its shape varies with T.
+            binding.bind_output(stage.outputs[0], *(self.device if on_device else ("cpu",)))
             self.sessions[index].run_with_iobinding(binding)
+            if on_device:
+                return binding.get_outputs()[0]
+            self.copies["logits_to_host" if stage.head else "hidden_to_host"] += self.device is not None
             return binding.get_outputs()[0].numpy()
         feeds = {stage.inputs[0]: x, **positions}
         if stage.layers:
@@ -124,9 +141,10 @@ class ModelRunner:
         self.cache.fit(start + len(token_ids))  # the rows this pass writes, padding included
         n_trunk_done = 0 if trunk_hidden is None else trunk_hidden.shape[1]
         x = token_ids[None, n_trunk_done:]
+        self.copies["passes"] += 1
         for index in range(len(self.stages)):
             if index == 0 and n_trunk_done:
-                x = np.concatenate([trunk_hidden, self.run_stage(0, x, start + n_trunk_done)], axis=1)  # [1,T,H]
+                x = np.concatenate([trunk_hidden, self.to_host(self.run_stage(0, x, start + n_trunk_done))], axis=1)  # [1,T,H]
             else:
                 x = self.run_stage(index, x, start, logit_positions)
         self.cache.extend(token_ids)
@@ -134,6 +152,13 @@ class ModelRunner:
         if self.head_tokens is not None:
             return full_vocab_logits(x[0], self.head_tokens, self.vocab_size)  # [N,V]
         return x[0]  # [N,V]
+
+    def to_host(self, x) -> np.ndarray:
+        """A stage's output as a numpy array: a device OrtValue is copied back (and counted)."""
+        if isinstance(x, np.ndarray):
+            return x
+        self.copies["hidden_to_host"] += 1
+        return x.numpy()
 
     def prefill(self, token_ids, chunk: int = 256) -> None:
         """Feed a long prompt in chunks (bounded activation memory) without asking for logits

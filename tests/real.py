@@ -75,6 +75,8 @@ def bundles_root() -> Path:
 REAL_BUNDLES = {
     "smollm2-fp32": ("smollm2-135m", "fp32", ("layer-skip:10",), 2048, "portable", "cpu"),
     "smollm2-cuda-fp16": ("smollm2-135m", "fp16", ("layer-skip:10",), 2048, "fused", "cuda"),
+    # The offline GPU kit's bundle as README builds it (benchmarks/gpu_kit.py): rehearsed here on the CPU provider.
+    "smollm2-cuda-int4": ("smollm2-135m", "int4", ("layer-skip:10",), 1024, "fused", "cuda"),
     # Its layer-skip draft is chosen by the export's search (issue 37): its exactness tests then cover a subset draft.
     "smollm2-int8": ("smollm2-135m", "int8", ("layer-skip:auto",), 1024, "fused", "cpu"),
     "qwen-pair-int4": ("qwen2.5-coder-1.5b", "int4", ("qwen2.5-coder-0.5b", LAYER_SKIP), 2048, "fused", "cpu"),

@@ -39,22 +39,45 @@ def ignore_rotary(model: onnx.ModelProto) -> None:
                     node.input[index] = ""
 
 
-def matmulnbits_without_offset(model: onnx.ModelProto) -> None:
-    """DirectML's MatMulNBits without a zero point dequantizes value x scale: the CPU kernel
-    given an all-zero zero point computes exactly that (its default is 2^(bits-1))."""
+def _signed(nibbles: np.ndarray) -> np.ndarray:
+    """A 4-bit field read as two's complement: 8..15 are -8..-1."""
+    return np.where(nibbles >= 8, nibbles.astype(np.int16) - 16, nibbles.astype(np.int16))
+
+
+def signed_nibble_weight(packed: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, k: int, n: int, block: int) -> np.ndarray:
+    """MatMulNBits' 4-bit weight [N, K] as the first DirectML kernel computes it (onnxruntime
+    51406c1, DmlOperatorMatMulNBits.cpp: B and the zero points typed DML_TENSOR_DATA_TYPE_INT4):
+    (signed(q) - signed(zero point)) x scale, the zero point 0 when absent (a signed type's)."""
+    blocks = -(-k // block)
+    q = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(n, blocks, -1)[:, :, :block]
+    if zero_points is None:
+        zp = np.zeros((n, blocks), dtype=np.int16)
+    else:
+        rows = zero_points.reshape(n, -1)
+        zp = _signed(np.stack([rows & 0x0F, rows >> 4], axis=-1).reshape(n, -1)[:, :blocks])
+    steps = (_signed(q) - zp[:, :, None]).astype(np.float32)
+    return (steps * scales.reshape(n, blocks)[:, :, None].astype(np.float32)).reshape(n, blocks * block)[:, :k]
+
+
+def matmulnbits_as_signed_nibbles(model: onnx.ModelProto) -> None:
+    """Every 4-bit MatMulNBits replaced by a MatMul on its weight as the signed-INT4 DirectML
+    kernel reads it (signed_nibble_weight), in the activations' type."""
+    inits = {t.name: t for t in model.graph.initializer}
+    nodes = []
     for node in model.graph.node:
-        if node.op_type == "MatMulNBits" and (len(node.input) < 4 or not node.input[3]):
-            attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-            blocks = -(-attrs["K"] // attrs["block_size"])
-            zeros = np.zeros(attrs["N"] * -(-blocks * attrs["bits"] // 8), dtype=np.uint8)
-            name = node.name + ".emulated_zero_points"
-            model.graph.initializer.append(numpy_helper.from_array(zeros, name))
-            while len(node.input) < 3:
-                node.input.append("")
-            if len(node.input) == 3:
-                node.input.append(name)
-            else:
-                node.input[3] = name
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type != "MatMulNBits" or attrs["bits"] != 4:
+            nodes.append(node)
+            continue
+        inputs = list(node.input) + [""] * (4 - len(node.input))
+        scales = numpy_helper.to_array(inits[inputs[2]])
+        zero_points = numpy_helper.to_array(inits[inputs[3]]) if inputs[3] else None
+        weight = signed_nibble_weight(numpy_helper.to_array(inits[inputs[1]]), scales, zero_points, attrs["K"], attrs["N"], attrs["block_size"])
+        name = node.name + ".signed_weight"
+        model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(weight.T).astype(scales.dtype), name))
+        nodes.append(helper.make_node("MatMul", [inputs[0], name], list(node.output[:1]), name=node.name + ".signed"))
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
 
 
 def emulate_graphs(monkeypatch, rewrite) -> None:
@@ -92,24 +115,51 @@ def _run_node(node, inputs: dict, initializers: list, outputs: list) -> list[np.
     return REAL_SESSION(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, inputs)
 
 
-def test_matmulnbits_emulation_is_value_times_scale():
+def _matmulnbits_node(zero_points: bool):
     rng = np.random.default_rng(0)
     k, n, block = 64, 8, 32
     packed = rng.integers(0, 256, size=(n, k // block, block // 2), dtype=np.uint8)
     scales = rng.uniform(0.5, 1.5, size=(n * k // block,)).astype(np.float32)
-    x = rng.standard_normal((1, 2, k)).astype(np.float32)
-    node = helper.make_node("MatMulNBits", ["x", "w", "s"], ["y"], domain="com.microsoft", K=k, N=n, bits=4, block_size=block, name="mm")
-    inits = [numpy_helper.from_array(packed, "w"), numpy_helper.from_array(scales, "s")]
+    zp = rng.integers(0, 256, size=(n * (k // block) // 2,), dtype=np.uint8) if zero_points else None
+    inputs = ["x", "w", "s"] + (["z"] if zero_points else [])
+    node = helper.make_node("MatMulNBits", inputs, ["y"], domain="com.microsoft", K=k, N=n, bits=4, block_size=block, name="mm")
+    inits = [numpy_helper.from_array(packed, "w"), numpy_helper.from_array(scales, "s")] + ([numpy_helper.from_array(zp, "z")] if zero_points else [])
+    return node, inits, (packed, scales, zp, k, n, block)
+
+
+def test_matmulnbits_without_a_zero_point_dequantizes_at_the_midpoint_as_directml_does():
+    """DirectML's MatMulNBits (171d616 and later) runs DML_DEQUANTIZE with a scale alone when the
+    zero-point slot is empty, and DirectML then takes the unsigned type's midpoint (8 for uint4:
+    its developers' comment in onnxruntime#21592): the spec's default, which the CPU kernel computes."""
+    node, inits, (packed, scales, _, k, n, block) = _matmulnbits_node(zero_points=False)
+    x = np.random.default_rng(1).standard_normal((1, 2, k)).astype(np.float32)
+    out = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
+    faithful = _run_node(node, {"x": x}, inits, out)[0]
+    values = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(n, k).astype(np.float32)
+    midpoint = (values - 8) * np.repeat(scales.reshape(n, k // block), block, axis=1)  # [N,K]
+    np.testing.assert_allclose(faithful, x @ midpoint.T, rtol=1e-4, atol=1e-3)
+    assert not np.allclose(faithful, x @ (values * np.repeat(scales.reshape(n, k // block), block, axis=1)).T, atol=1e-2)
+
+
+@pytest.mark.parametrize("zero_points", (False, True))
+def test_signed_nibble_emulation_is_the_int4_reading(zero_points):
+    node, inits, (packed, scales, zp, k, n, block) = _matmulnbits_node(zero_points)
+    x = np.random.default_rng(1).standard_normal((1, 2, k)).astype(np.float32)
     out = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
     model = helper.make_model(helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape)], out, inits))
-    matmulnbits_without_offset(model)
+    matmulnbits_as_signed_nibbles(model)
     emulated = _run_node(model.graph.node[0], {"x": x}, list(model.graph.initializer), out)[0]
-    faithful = _run_node(node, {"x": x}, inits, out)[0]
-    # The reference: low nibble first, value x scale per block of 32 along K (DML_DEQUANTIZE with a scale alone).
-    values = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(n, k).astype(np.float32)
-    weight = values * np.repeat(scales.reshape(n, k // block), block, axis=1)  # [N,K]
+    # The reference, nibble by nibble: two's complement fields, low nibble first, per block of 32 along K.
+    low, high = packed & 0x0F, packed >> 4
+    q = np.stack([low, high], axis=-1).reshape(n, k).astype(np.int16)
+    q = np.where(q >= 8, q - 16, q)
+    z = np.zeros((n, k // block), np.int16)
+    if zp is not None:
+        z = np.stack([zp & 0x0F, zp >> 4], axis=-1).reshape(n, k // block).astype(np.int16)
+        z = np.where(z >= 8, z - 16, z)
+    weight = (q - np.repeat(z, block, axis=1)) * np.repeat(scales.reshape(n, k // block), block, axis=1)
     np.testing.assert_allclose(emulated, x @ weight.T, rtol=1e-4, atol=1e-3)
-    np.testing.assert_allclose(faithful, x @ ((values - 8) * np.repeat(scales.reshape(n, k // block), block, axis=1)).T, rtol=1e-4, atol=1e-3)
+    assert not np.allclose(emulated, _run_node(node, {"x": x}, inits, out)[0], atol=1e-2)  # not the spec's reading
 
 
 def _gqa_reference(q, k, v, heads, kv_heads, scale):
@@ -184,8 +234,8 @@ def test_past_length_zero_for_multi_token_passes_changes_the_tokens(old_dml_bund
     assert _tokens(old_dml_bundle, prompt, "layer-skip", 3) != faithful
 
 
-def test_matmulnbits_without_its_offset_changes_the_tokens(old_dml_bundle, prompt, faithful, monkeypatch):
-    emulate_graphs(monkeypatch, matmulnbits_without_offset)
+def test_matmulnbits_read_as_signed_nibbles_changes_the_tokens(old_dml_bundle, prompt, faithful, monkeypatch):
+    emulate_graphs(monkeypatch, matmulnbits_as_signed_nibbles)
     assert _tokens(old_dml_bundle, prompt) != faithful
 
 
@@ -200,12 +250,12 @@ def test_todays_dml_graphs_give_the_same_tokens_under_directmls_attention(dml_fp
     assert _tokens(dml_fp16_bundle, prompt, "layer-skip", 3) == plain
 
 
-def test_todays_int4_dml_graphs_give_the_same_tokens_under_directmls_matmulnbits(dml_bundle, prompt, monkeypatch):
-    """The zero point is an input of every node, so DirectML's missing default offset changes
-    nothing: plain and speculative greedy tokens are the same with the emulation in place."""
+def test_todays_int4_dml_graphs_still_need_the_unsigned_matmulnbits_kernel(dml_bundle, prompt, monkeypatch):
+    """The zero point written into every node satisfies 171d616's four-input check, but does not
+    save the graphs from the signed-INT4 kernel DirectML's MatMulNBits began with: a zero point
+    of 8 and up reads as negative, and the tokens change. The pinned onnxruntime-directml 1.24.4
+    is inferred (not read) to carry an unsigned form (edge_spec/kernels/semantics.json)."""
     plain = _tokens(dml_bundle, prompt)
     assert _tokens(dml_bundle, prompt, "layer-skip", 3) == plain
-    emulate_graphs(monkeypatch, matmulnbits_without_offset)
-    emulate_past_length_zero(monkeypatch)
-    assert _tokens(dml_bundle, prompt) == plain
-    assert _tokens(dml_bundle, prompt, "layer-skip", 3) == plain
+    emulate_graphs(monkeypatch, matmulnbits_as_signed_nibbles)
+    assert _tokens(dml_bundle, prompt) != plain

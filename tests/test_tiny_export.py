@@ -606,3 +606,29 @@ def test_kv_buffers_as_device_ortvalues_match_host(bundles, hf_models):
     np.testing.assert_allclose(np.concatenate([first, runner.forward(ids[5:])]), ref, atol=1e-4, rtol=1e-5)
     with pytest.raises(RuntimeError, match="in place"):
         cache.write_rows(range(1), [np.zeros((1, arch.n_kv_heads, 1, arch.head_dim), np.float32)] * 2, 0)
+
+
+def test_hidden_states_stay_on_the_device_between_stages(bundles, greedy_reference):
+    """KV on a device (the CPU standing in for CUDA): a pass hands each stage's hidden state to
+    the next as a device OrtValue and copies back only the logits; the layer-skip draft brings
+    back its one trunk row per drafted token (the verify pass reuses them), and the answers are
+    the host path's."""
+    from edge_spec.sampling import SamplingConfig
+    from runtime.drafters.layer_skip import LayerSkipDrafter
+    from runtime.kv_cache import KVCache
+    from runtime.model import ModelRunner
+
+    ids, _ = greedy_reference["llama"]
+    host = _engine(bundles["llama"], "layer-skip", 3)
+    assert len(host.target.stages) >= 3 and host.target.device is None
+    arch = host.target.info.arch
+    cache = KVCache(range(arch.n_layers), arch.n_kv_heads, arch.max_context, arch.head_dim, device=("cpu", 0))
+    runner = ModelRunner("target", host.target.info, host.target.stages, host.target.sessions, cache)
+    assert runner.device == ("cpu", 0)
+    np.testing.assert_allclose(runner.forward(ids), host.target.forward(ids), atol=1e-5)
+    runner.forward([5])
+    assert runner.copies == {"hidden_to_host": 0, "hidden_to_device": 0, "logits_to_host": 2, "passes": 2}
+    skip = host.loader.runner("layer_skip")
+    drafter = LayerSkipDrafter(ModelRunner("layer_skip", skip.info, skip.stages, skip.sessions, cache))
+    proposal = drafter.propose(list(ids) + [5, 6], 3, SamplingConfig(), np.random.default_rng(0))
+    assert drafter.runner.copies["hidden_to_host"] == 3 and proposal.trunk_hidden.shape[1] == 3

@@ -5,8 +5,9 @@ server-sent events as OpenAI clients expect), GET /health, GET /metrics (Prometh
 Responses carry `usage` and, as an extra field, `speculative` (the engine's stats for that
 generation). Errors are OpenAI-style objects: {"error": {"message", "type", "param", "code"}}.
 
-One generation runs at a time; up to --max-queue more wait in arrival order and the rest get
-429 at once (503 when a request waited past --queue-timeout). A client that disconnects, while
+Up to --parallel generations run at a time; up to --max-queue more wait, clients taking turns
+for a free slot (one client's own requests in arrival order, at most --max-per-client of them),
+and the rest get 429 at once (503 when a request waited past --queue-timeout). A client that disconnects, while
 waiting or mid-stream, cancels its generation and frees the engine.
 
 Built on starlette + uvicorn (h11); imports no torch/transformers. One module per concern:
