@@ -34,7 +34,7 @@ class LayerSkipDrafter(CostsPasses):
         first_position = np.zeros(1, dtype=np.int64)
         for i in range(gamma):
             x = self.runner.run_stage(0, np.array([[token]], dtype=np.int64), kv_len + i)  # [1,1,H], on the device there
-            hidden.append(self.runner.to_host(x))  # the verify pass reuses it
+            hidden.append(x if isinstance(x, np.ndarray) else self.runner.to_host(x))  # the verify pass reuses it
             for index in range(1, last):
                 x = self.runner.run_stage(index, x, kv_len + i)  # [1,1,H]: a later kept segment
             logits = self.runner.run_stage(last, x, kv_len + i, first_position)[0, -1]  # [V]
