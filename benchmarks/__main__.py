@@ -14,6 +14,7 @@ python -m benchmarks gpu_kit --out DIR (--download | --wheel FILE | --no-wheels)
 python -m benchmarks load_run BUNDLE [--waves 3] [--clients 32] [--slow 10] [--oversized 4] [--disconnect 0] [--wrong-keys-from 0] [--out FILE.json]
 python -m benchmarks heap_probe BUNDLE [--waves 30] [--clients 12] [--oversized 4] [--arenas N] [--out FILE.json]
 python -m benchmarks serve_clients BUNDLE [--servers auto:1,none:1,none:4] [--clients 1,2,4] [--prompts SPEC] [--max-tokens 128] [--rounds 2] [--out FILE.json]
+python -m benchmarks mixed_load BUNDLE [--stalls 0,50] [--parallel 4] [--others 3] [--rounds 3] [--external NAME=PORT] [--out FILE.json]
 python -m benchmarks context_curve BUNDLE... [--kv-lens 128,512,1536] [--blocks 1,4] [--repeats 20] [--rounds 3] [--out FILE.json]
 python -m benchmarks batch_curve BUNDLE [--batch 1,2,4,8] [--kv-len 512] [--repeats 20] [--prompts SPEC] [--decode 64] [--out FILE.json]
 python -m benchmarks policy_trace BUNDLE --out FILE.json [--prompts SPEC] [--target-ms 10,1.5] [--draft-ms 2.5,0.4] | --compare A.json B.json
@@ -140,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.heap_probe import main as heap_probe
 
         return heap_probe(argv[1:])
+    if argv[:1] == ["mixed_load"]:
+        from benchmarks.mixed_load import main as mixed_load
+
+        return mixed_load(argv[1:])
     if argv[:1] == ["serve_clients"]:
         from benchmarks.serve_clients import main as serve_clients
 

@@ -22,9 +22,21 @@ class SettingError(ValueError):
 
 
 def shown(value, limit: int = 40) -> str:
-    """A value as an error message quotes it: never more than `limit` characters of the input."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    """A value as an error message quotes it, at a cost bounded by `limit`, never by the input: a
+    container by its type and size, anything else as at most `limit` characters of its repr."""
+    if isinstance(value, (list, tuple, dict, set, frozenset)):
+        return f"a {type(value).__name__} of {len(value)} items"
+    if isinstance(value, (str, bytes)):
+        text = repr(value[:limit])
+        longer = len(value) > limit
+    elif isinstance(value, int) and not isinstance(value, bool):
+        try:
+            text, longer = str(value), False
+        except ValueError:  # more digits than Python turns into text
+            return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"
+    else:
+        text, longer = repr(value), False
+    return text if len(text) <= limit and not longer else text[: limit - 1] + "…"
 
 
 @dataclass(frozen=True)
@@ -64,8 +76,9 @@ class Param:
             return False
         return high is None or value <= high
 
-    def check(self, name: str, value, optional: bool = False):
-        """value as this setting's kind, or SettingError(name) naming what it must be."""
+    def check(self, name: str, value, optional: bool = False, high: float | None = None):
+        """value as this setting's kind, or SettingError(name) naming what it must be (high, when
+        given, in place of the declared upper bound: the server's tighter one)."""
         if value is None and optional:
             return None
         if self.kind is int:
@@ -78,10 +91,14 @@ class Param:
         else:
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise SettingError(name, f"{name} must be a number, got {shown(value)}", code="invalid_type")
-            if not math.isfinite(value):
+            try:
+                finite = math.isfinite(value)
+            except OverflowError:  # an integer past a float's range is past every setting's range too
+                raise SettingError(name, f"{name} must be {self.describe(high)}, got {shown(value)}") from None
+            if not finite:
                 raise SettingError(name, f"{name} must be a finite number, got {shown(value)}")
-        if not self.within(value):
-            raise SettingError(name, f"{name} must be {self.describe()}, got {shown(value)}")
+        if not self.within(value, high):
+            raise SettingError(name, f"{name} must be {self.describe(high)}, got {shown(value)}")
         return value
 
 

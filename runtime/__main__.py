@@ -32,6 +32,11 @@ def _integer(low: int | None = None, high: int | None = None):
     return parse
 
 
+def _stall(ms: float) -> float | None:
+    """--prefill-stall-ms: 0 prefills a prompt whole (EngineConfig's None)."""
+    return ms or None
+
+
 def _number(low: float, high: float | None = None, low_open: bool = False):
     """An argparse type: a finite number in [low, high] (or (low, high] with low_open)."""
 
@@ -214,7 +219,8 @@ def _engine(args):
         coreml_static_shapes=args.coreml_static_shapes,
         memory_budget=getattr(args, "memory_budget", None),
         block_stable=args.block_stable, suffix_cache_tokens=args.suffix_cache_tokens,
-        bundle_sha256=args.bundle_sha256,
+        bundle_sha256=args.bundle_sha256, suffix_cache=getattr(args, "suffix_cache", "per-client"),
+        prefill_stall_ms=_stall(getattr(args, "prefill_stall_ms", 50.0)),
     )
     engine = Engine(args.bundle, config)
     print(engine.provider_line(), file=sys.stderr, flush=True)
@@ -352,8 +358,10 @@ def cmd_serve(args) -> int:
     from runtime import heap
 
     heap.bound_arenas()  # before the sessions start their thread pools, so those share the two arenas too
+    # Half the places by default: one client cannot hold the whole queue, yet can fill the batch.
+    per_client = args.max_per_client or max(args.parallel, (args.parallel + args.max_queue + 1) // 2)
     model = Model(_engine(args), max_queue=args.max_queue, queue_timeout=args.queue_timeout or None, name=args.model_name,
-                  parallel=args.parallel)
+                  parallel=args.parallel, max_per_client=per_client)
     try:
         serve(model, args.host, args.port, None, args.insecure, log_level=args.log_level,
               announce=lambda line: print(line, flush=True), config=config, api_keys=keys)
@@ -494,6 +502,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests decoding at once (default 1): above 1, those decoding plainly (--draft none, or a request's "
                        "speculation drafter none) share each target pass, one KV slot each; a request with a drafter decodes "
                        "beside them, one at a time (README, Batched decoding)")
+    serve.add_argument("--max-per-client", type=_integer(1), metavar="N",
+                       help="requests one client (its API key and `user` field, else its address) may have running or waiting; "
+                       "more get 429 (default: half of --parallel plus --max-queue, at least --parallel)")
+    serve.add_argument("--prefill-stall-ms", type=_number(0.0), default=50.0, metavar="MS",
+                       help="--parallel above 1: a new prompt enters beside running requests in chunks priced at most MS "
+                       "milliseconds each, one a step (default 50; 0: whole, the running requests wait for it)")
+    serve.add_argument("--suffix-cache", choices=("per-client", "shared"), default="per-client",
+                       help="--draft suffix / auto+suffix: copy only from the requesting client's earlier text (default), or "
+                       "from every client's (shared: what a request drafts then tells whether others sent that text)")
     serve.add_argument("--queue-timeout", type=_number(0.0), default=300.0, help="seconds a request may wait before a 503 (0: no limit)")
     serve.add_argument("--header-timeout", type=_number(0.0, low_open=True), default=10.0, help="seconds to send request headers (default 10)")
     serve.add_argument("--body-timeout", type=_number(0.0, low_open=True), default=30.0, help="seconds to send a request body (default 30)")

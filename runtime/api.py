@@ -14,14 +14,16 @@
     result = await model.agenerate(messages=[...])
 
 Concurrency: one Model runs one generation at a time (its ONNX sessions and KV buffers hold one
-sequence). Other requests wait their turn in arrival order in a bounded queue: `submit` (and so
+sequence). Other requests wait their turn in a bounded queue, in arrival order except that clients
+(the `client` setting) take turns (runtime/scheduler.py): `submit` (and so
 every generate/stream call) raises QueueFullError at once when `max_queue` requests already
 wait, and a request that waited longer than `queue_timeout` seconds raises QueueTimeoutError.
 Calls may come from any number of threads and event loops at once. The Model's Scheduler
 (runtime/scheduler.py) is the one owner of all of it: admission, the line, cancellation,
 abandoned streams, and the one worker thread that drives the Engine for every caller.
 
-Cancellation: pass `cancel=threading.Event()` and set it from anywhere, or call `Job.cancel()`.
+Cancellation: pass `cancel=threading.Event()` and set it from anywhere, or call `Job.cancel()`
+(anything else, `cancel=True` included, is a TypeError: a bool could never be set later).
 A waiting request leaves the queue at once; a running one stops after the current target pass
 and frees the engine. Either way the last chunk's result has stop_reason "cancelled". Leaving
 an async stream early (break, an exception, a cancelled task) cancels its generation too; a
@@ -235,13 +237,15 @@ class Job:
         return self.final
 
 
-def _check_queue_settings(max_queue, queue_timeout, stream_idle_timeout) -> None:
+def _check_queue_settings(max_queue, queue_timeout, stream_idle_timeout, max_per_client=None) -> None:
     for label, seconds in (("queue_timeout", queue_timeout), ("stream_idle_timeout", stream_idle_timeout)):
         if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
                                     or not math.isfinite(seconds) or seconds <= 0):
             raise ValueError(f"{label} must be a number of seconds > 0, or None, got {shown(seconds)}")
     if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
         raise ValueError(f"max_queue must be an integer >= 0, got {shown(max_queue)}")
+    if max_per_client is not None and (isinstance(max_per_client, bool) or not isinstance(max_per_client, int) or max_per_client < 1):
+        raise ValueError(f"max_per_client must be an integer >= 1, or None, got {shown(max_per_client)}")
 
 
 @dataclass
@@ -254,18 +258,20 @@ class Model:
     """A loaded bundle with a bounded request queue. Thread-safe; see the module docstring."""
 
     def __init__(self, engine: Engine, *, max_queue: int = 16, queue_timeout: float | None = None, name: str | None = None,
-                 stream_idle_timeout: float | None = 60.0, parallel: int = 1):
+                 stream_idle_timeout: float | None = 60.0, parallel: int = 1, max_per_client: int | None = None):
         """parallel: sequences decoding at once. Above 1, requests that decode plainly (drafter
         "none") share each target pass, one KV slot each (runtime/batch.py); a request with a
-        drafter decodes beside them, one such at a time."""
-        _check_queue_settings(max_queue, queue_timeout, stream_idle_timeout)
+        drafter decodes beside them, one such at a time. max_per_client: requests one client
+        (the `client` setting) may have running or waiting; None: no bound but the queue's."""
+        _check_queue_settings(max_queue, queue_timeout, stream_idle_timeout, max_per_client)
         self.engine = engine
         self.name = name or Path(engine.bundle.path).resolve().name
         # stream_idle_timeout: a sync stream holding the engine but not advanced for this long,
         # while another request waits, is closed (abandoned but still referenced).
         self._scheduler = Scheduler(engine, max_queue=max_queue, queue_timeout=queue_timeout,
                                     stream_idle_timeout=stream_idle_timeout, on_result=self._record,
-                                    on_queue_timeout=lambda: self._count("queue_timeouts"), slots=parallel)
+                                    on_queue_timeout=lambda: self._count("queue_timeouts"), slots=parallel,
+                                    max_per_client=max_per_client)
         self._closed = False
         self._counters = _Counters()
         for key in ("requests", "rejected", "queue_timeouts", "prompt_tokens", "completion_tokens", "target_passes",
@@ -290,11 +296,12 @@ class Model:
         stream_idle_timeout: float | None = 60.0,
         bundle_sha256: str | None = None,
         parallel: int = 1,
+        max_per_client: int | None = None,
     ) -> "Model":
         """Open a bundle (validates it, loads the sessions, calibrates γ costs). engine_config,
         when given, replaces the provider..allow_fallback keywords. bundle_sha256: refuse the
         bundle unless its manifest.json has this SHA-256 (EngineConfig.bundle_sha256)."""
-        _check_queue_settings(max_queue, queue_timeout, stream_idle_timeout)  # before the (slow) load
+        _check_queue_settings(max_queue, queue_timeout, stream_idle_timeout, max_per_client)  # before the (slow) load
         config = engine_config or EngineConfig(
             provider=provider, threads=threads, drafter=drafter, gamma=gamma,
             max_gamma=max(max_gamma, gamma or 0), allow_fallback=allow_fallback,
@@ -304,7 +311,7 @@ class Model:
         if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
             raise ValueError(f"parallel must be an integer >= 1, got {shown(parallel)}")  # before the (slow) load
         return cls(Engine(bundle, config), max_queue=max_queue, queue_timeout=queue_timeout, name=name,
-                   stream_idle_timeout=stream_idle_timeout, parallel=parallel)
+                   stream_idle_timeout=stream_idle_timeout, parallel=parallel, max_per_client=max_per_client)
 
     # -- facts ------------------------------------------------------------------------------
 
@@ -396,7 +403,7 @@ class Model:
         **settings,
     ) -> Job:
         """Admit one request: exactly one of prompt, messages, prompt_ids; settings are Options'
-        fields (max_tokens, temperature, top_k, top_p, seed, stop) or a whole `options`.
+        fields (max_tokens, temperature, top_k, top_p, seed, stop, client) or a whole `options`.
         Raises ValueError (bad settings), PromptTooLongError, ChatTemplateError or
         QueueFullError right away; otherwise returns a Job that has not started."""
         if self._closed:
@@ -405,6 +412,8 @@ class Model:
             raise ValueError("pass exactly one of prompt, messages or prompt_ids")
         if options is not None and settings:
             raise ValueError("pass either options or individual settings, not both")
+        if cancel is not None and not isinstance(cancel, threading.Event):
+            raise TypeError(f"cancel must be a threading.Event (set it to cancel) or None, got {shown(cancel)}")
         if options is None:
             options = Options(**settings)
         self.engine.check_speculation(options.speculation)

@@ -23,6 +23,7 @@ from edge_spec.drafters import available_drafters, drafter_spec
 from edge_spec.manifest import BundleError
 from edge_spec.params import SettingError, shown
 from runtime.drafters.base import Drafter, parts, use_clock
+from runtime.drafters.suffix import serve_client
 from runtime.batch import batch_round, batched_target
 from runtime.calibration import calibrate, calibrated
 from runtime.gamma import CostModel, GammaConfig
@@ -43,9 +44,9 @@ def check_token_ids(ids, vocab: int) -> None:
     """Every id an int in [0, vocab): ids past the tokenizer would index past embeddings."""
     for i in ids:
         if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
-            raise ValueError(f"token ids must be integers, got {i!r}")
+            raise ValueError(f"token ids must be integers, got {shown(i)}")
         if not 0 <= i < vocab:
-            raise ValueError(f"token id {i} is outside the vocabulary [0, {vocab})")
+            raise ValueError(f"token id {shown(i)} is outside the vocabulary [0, {vocab})")
 
 
 class Prompt(tuple):
@@ -90,6 +91,12 @@ def check_prompt(ids: Iterable[int], vocab: int, max_context: int) -> Prompt:
         raise ValueError(f"prompt ids must be a list of token ids, got {shown(ids)}") from None
 
 
+SUFFIX_CACHES = ("per-client", "shared")
+# A prefill chunk beside running sequences: at least this many tokens (a smaller pass costs
+# about as much as a 1-token one), at most ModelRunner.prefill's own chunk.
+PREFILL_CHUNK_MIN, PREFILL_CHUNK_MAX = 8, 256
+
+
 @dataclass(frozen=True)
 class EngineConfig(LoadConfig):
     """What the Loader reads (LoadConfig: providers, drafter, budget, ...) and how the Engine
@@ -100,9 +107,21 @@ class EngineConfig(LoadConfig):
     # max_gamma stay at their defaults: gamma and max_gamma set them (gamma_for).
     gamma_config: GammaConfig = GammaConfig()
     calibrate: bool = True  # time target and draft passes at load, to seed the cost model
+    # What the suffix cache lets a request copy from: "per-client", only its own client's earlier
+    # text (GenerateConfig.client); "shared", every earlier request's (its drafts then reveal them).
+    suffix_cache: str = "per-client"
+    # Batched decoding: a new sequence's prompt enters beside running ones in chunks priced at
+    # most this many milliseconds each (one per step), so a running stream's gap per token grows
+    # by at most that much; None prefills a prompt whole before the next step (the batch waits).
+    prefill_stall_ms: float | None = 50.0
 
     def __post_init__(self):
         super().__post_init__()
+        stall = self.prefill_stall_ms
+        if stall is not None and (isinstance(stall, bool) or not isinstance(stall, (int, float)) or not 0 < stall < float("inf")):
+            raise ValueError(f"prefill_stall_ms must be a number of milliseconds above 0, or None, got {shown(stall)}")
+        if self.suffix_cache not in SUFFIX_CACHES:
+            raise ValueError(f"suffix_cache must be one of {', '.join(SUFFIX_CACHES)}, got {shown(self.suffix_cache)}")
         if not isinstance(self.gamma_config, GammaConfig):
             raise ValueError(f"gamma_config must be a GammaConfig, got {shown(self.gamma_config)}")
         default = GammaConfig()
@@ -194,6 +213,7 @@ class SlotSequence:
     out: SequenceText
     kind: str = "none"  # the drafter it speculates with when it holds the Engine's ("none": plain only)
     tokens: np.ndarray | None = None  # committed, the last one pending (no row yet); None until prefilled
+    prefilled: int | None = None  # prompt rows in its slot so far (None: not begun); chunked beside running sequences
     ended: bool = False
 
 
@@ -297,6 +317,10 @@ class Engine:
             calibrate(self.target, drafter, self.costs, self.bundle.manifest.tokenizer.eos_token_ids[0], self.config.max_gamma)
         return kind, drafter, self.config.gamma_for(None if speculation is None else speculation.max_gamma)
 
+    def _serve(self, drafter: Drafter | None, client: str | None) -> None:
+        """The drafter's next sequence is `client`'s: a per-client suffix cache copies from its text only."""
+        serve_client(drafter, client if self.config.suffix_cache == "per-client" else None)
+
     def forget(self) -> None:
         """Drop what every drafter keeps from earlier sequences (the suffix cache)."""
         self._idle("forget")
@@ -341,6 +365,7 @@ class Engine:
         try:
             if speculative:
                 kind, drafter, gamma = self._request_drafter(config.speculation)
+                self._serve(drafter, config.client)
             else:
                 kind, drafter, gamma = "none", None, dataclasses.replace(self.config.gamma_for(), fixed=None)
             yield from self._stream_owned(list(prompt_ids), config, drafter, cancel, gamma, kind)
@@ -453,6 +478,7 @@ class Engine:
                 continue
             self.policy.start(drafter, sequence.config.max_new_tokens, gamma)
             use_clock(drafter, time.perf_counter)
+            self._serve(drafter, sequence.config.client)
             # Not fed now, while the batch waits: its first round catches up, priced as replay
             # (speculation_pays), so a draft model that will not pay beside the batch costs nothing.
             drafter.reset(sequence.tokens[:-1], prefill=False)
@@ -466,23 +492,45 @@ class Engine:
         piece, None) items to stream and, when it ended, ("", result) last; an ended sequence is
         out of later passes."""
         target = self.batched(max(s.slot for s in sequences) + 1)
-        for sequence in sequences:
-            if sequence.tokens is None:
-                runner = target.runner(sequence.slot)
-                # Rows the slot holds of this prompt's start (an earlier turn of a chat) are kept.
-                kept = runner.cache.rollback_to_prefix(sequence.prompt_ids[:-1])
-                runner.prefill(sequence.prompt_ids[kept:-1])
-                sequence.tokens = np.asarray(sequence.prompt_ids, dtype=np.int64)
-        steps = batch_round(target, sequences, self._drafting_in(sequences), self._drafter_of_slot, self.policy, self.costs)
+        self._prefill_some(target, sequences)
+        ready = [s for s in sequences if s.tokens is not None]
+        steps = batch_round(target, ready, self._drafting_in(ready), self._drafter_of_slot, self.policy, self.costs) if ready else []
+        stepped = dict(zip(map(id, ready), steps))
         items = []
-        for sequence, step in zip(sequences, steps):
-            piece = sequence.out.add(step)
+        for sequence in sequences:
+            if id(sequence) not in stepped:  # its prompt still entering, a chunk a step
+                items.append([])
+                continue
+            piece = sequence.out.add(stepped[id(sequence)])
             out = [(piece, None)] if piece else []
             if sequence.out.stop_reason is not None:
                 tail, result = self.end_slot(sequence, sequence.out.stop_reason)
                 out += ([(tail, None)] if tail else []) + [("", result)]
             items.append(out)
         return items
+
+    def _prefill_some(self, target, sequences: list["SlotSequence"]) -> None:
+        """Prompts not yet in their slots: whole when no sequence is decoding, else one chunk of
+        the first, sized by the cost model to cost at most prefill_stall_ms, so the running
+        sequences step after it (a long prompt no longer stalls every stream for its length)."""
+        decoding = any(s.tokens is not None for s in sequences)
+        for sequence in [s for s in sequences if s.tokens is None]:
+            runner = target.runner(sequence.slot)
+            if sequence.prefilled is None:  # rows the slot holds of this prompt's start (an earlier turn of a chat) are kept
+                sequence.prefilled = runner.cache.rollback_to_prefix(sequence.prompt_ids[:-1])
+            rest = sequence.prompt_ids[sequence.prefilled:-1]
+            if decoding and self.config.prefill_stall_ms is not None:
+                rest = rest[: self.costs.prefill_chunk(self.config.prefill_stall_ms / 1000, PREFILL_CHUNK_MIN, PREFILL_CHUNK_MAX)]
+            if rest:
+                began = time.perf_counter()
+                runner.prefill(rest)
+                if decoding:
+                    self.costs.record_prefill(len(rest), time.perf_counter() - began)
+                sequence.prefilled += len(rest)
+            if sequence.prefilled == len(sequence.prompt_ids) - 1:
+                sequence.tokens = np.asarray(sequence.prompt_ids, dtype=np.int64)
+            if decoding and self.config.prefill_stall_ms is not None:
+                return  # one chunk a step beside running sequences
 
     def generate_batch(self, prompts: list[list[int]], config: GenerateConfig | list[GenerateConfig] = GenerateConfig()) -> list[GenerationResult]:
         """Several prompts decoded at once (advance_slots): one target pass feeds every unfinished

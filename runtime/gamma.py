@@ -65,6 +65,7 @@ class CostModel:
         self.draft_step: dict[str, float] = {}  # by drafter name
         self.replay_token: dict[str, float] = {}  # by drafter name: seconds per token replayed
         self.batch: dict[int, float] = {}  # by rows: a batched pass feeding one token to each of that many sequences
+        self.prefill_token: float | None = None  # seconds per prompt token in a prefill chunk beside a batch
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.smoothing * (new - old)
@@ -82,6 +83,20 @@ class CostModel:
 
     def record_batch(self, rows: int, seconds: float) -> None:
         self.batch[rows] = self._ema(self.batch.get(rows), seconds)
+
+    def record_prefill(self, n_tokens: int, seconds: float) -> None:
+        if n_tokens:
+            self.prefill_token = self._ema(self.prefill_token, seconds / n_tokens)
+
+    def prefill_chunk(self, seconds: float, smallest: int, largest: int) -> int:
+        """The most prompt tokens a prefill chunk may take to cost at most `seconds`, within
+        [smallest, largest]: priced per token as measured, until then as the longest measured
+        target pass (a verify block costs more than a prefill chunk: it returns every row's logits)."""
+        per_token = self.prefill_token
+        if per_token is None:
+            block = max(self.target, default=1)
+            per_token = self.target_cost(block) / block
+        return int(min(largest, max(smallest, seconds // per_token if per_token > 0 else largest)))
 
     def batch_cost(self, rows: int) -> float | None:
         """Seconds of a batched pass over `rows` sequences (0 for none, a 1-token pass for one),

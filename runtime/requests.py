@@ -103,12 +103,20 @@ class Speculation:
         return cls(value.get("drafter"), value.get("max_gamma"))
 
 
+def check_client(client) -> None:
+    """A request's client: None (one anonymous client) or a non-empty string naming who sent it."""
+    if client is not None and (not isinstance(client, str) or not client):
+        raise SettingError("client", f"client must be a non-empty string naming who sent the request, or None, "
+                                     f"got {shown(client)}", code="invalid_type")
+
+
 @dataclass(frozen=True)
 class GenerateConfig:
     max_new_tokens: int = 256
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop: tuple[str, ...] = ()
     speculation: Speculation | None = None  # None: the Engine's drafter and γ
+    client: str | None = None  # who sent it (check_client): the suffix cache and the scheduler's fairness go by it
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -116,6 +124,7 @@ class GenerateConfig:
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
         object.__setattr__(self, "speculation", Speculation.of(self.speculation))
+        check_client(self.client)
 
 
 @dataclass(frozen=True)
@@ -134,6 +143,9 @@ class Options:
     # Which drafter and γ cap this request decodes with (a Speculation or {"drafter", "max_gamma"});
     # None: the Model's own. Checked against the bundle at submit.
     speculation: Speculation | None = None
+    # Who sent it: it copies only from this client's earlier text (suffix cache) and shares the
+    # queue and batch fairly with other clients (runtime/scheduler.py); None: one anonymous client.
+    client: str | None = None
 
     def __post_init__(self) -> None:
         check_params(self)
@@ -144,13 +156,14 @@ class Options:
             raise SettingError("stop", f"stop must be non-empty strings, got {shown(self.stop)}")
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "speculation", Speculation.of(self.speculation))
+        check_client(self.client)
         self.sampling()  # SamplingConfig's own checks across its fields
 
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(**{name: getattr(self, name) for name in params(SamplingConfig)})
 
     def generate_config(self) -> GenerateConfig:
-        return GenerateConfig(self.max_tokens, self.sampling(), self.stop, self.speculation)
+        return GenerateConfig(self.max_tokens, self.sampling(), self.stop, self.speculation, self.client)
 
 
 __all__ = ["CHAT_ROLES", "GenerateConfig", "Options", "SettingError", "Speculation", "check_messages", "check_prompt_text", "check_text"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -60,6 +60,11 @@ class Request:
     prompt: Prompt
     config: GenerateConfig
     cancel: threading.Event
+
+    @property
+    def client(self) -> str | None:
+        """Who sent it (GenerateConfig.client): admission and slots are shared fairly by it."""
+        return self.config.client
 
     def __post_init__(self):
         if not isinstance(self.prompt, Prompt):
@@ -144,14 +149,24 @@ class Sequence:
 
 
 class Scheduler:
-    """Admits up to slots + max_queue sequences, runs them in the order they joined the line,
-    and hands each one's chunks to its sink. Thread-safe; the Engine is touched by the worker."""
+    """Admits up to slots + max_queue sequences (at most max_per_client of one client's), gives
+    free slots to clients in turn, and hands each one's chunks to its sink. Thread-safe; the
+    Engine is touched by the worker.
+
+    Fairness between clients (Request.client; None is one anonymous client): a free slot goes
+    to the oldest waiting sequence of the client with the fewest sequences running, on equal
+    counts of the client that took a slot least recently, so a client with many requests in the
+    line takes turns with one that has a single request; one client's own requests keep their
+    order, and with one client the line is first come, first served."""
 
     def __init__(self, engine: Engine, *, max_queue: int, queue_timeout: float | None, stream_idle_timeout: float | None,
                  on_result: Callable[[GenerationResult], None] = lambda result: None,
-                 on_queue_timeout: Callable[[], None] = lambda: None, slots: int = 1):
+                 on_queue_timeout: Callable[[], None] = lambda: None, slots: int = 1, max_per_client: int | None = None):
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be an integer >= 1, got {slots!r}")
+        if max_per_client is not None and (isinstance(max_per_client, bool) or not isinstance(max_per_client, int)
+                                           or max_per_client < 1):
+            raise ValueError(f"max_per_client must be an integer >= 1, or None, got {max_per_client!r}")
         if slots > 1:
             if engine.config.block_stable:
                 raise ValueError("batched decoding is not block-stable (README, \"Batched decoding\"): serve one "
@@ -162,12 +177,16 @@ class Scheduler:
         self.queue_timeout = queue_timeout
         self.stream_idle_timeout = stream_idle_timeout
         self.slots = slots
+        self.max_per_client = max_per_client  # None: one client may hold every place
         self._on_result = on_result
         self._on_queue_timeout = on_queue_timeout
         self.cond = threading.Condition()
         self._live: set[Sequence] = set()  # admitted and not ended: what max_queue bounds
         self._line: deque[Sequence] = deque()  # waiting for a slot, in the order they joined
         self._running: list[Sequence] = []  # in a slot
+        self._held: Counter = Counter()  # admitted and not ended, per client
+        self._turns: dict[str | None, int] = {}  # when each client holding sequences last took a slot
+        self._turn = 0
         self._worker: threading.Thread | None = None
 
     # -- the surface ------------------------------------------------------------------------
@@ -177,8 +196,12 @@ class Scheduler:
         with self.cond:
             if len(self._live) >= self.slots + self.max_queue:
                 raise QueueFullError(f"the engine is busy and {self.max_queue} request(s) already wait; retry later")
+            if self.max_per_client is not None and self._held[request.client] >= self.max_per_client:
+                raise QueueFullError(f"this client already has {self.max_per_client} request(s) running or waiting, the "
+                                     "most one client may; retry when one ends")
             sequence = Sequence(request)
             self._live.add(sequence)
+            self._held[request.client] += 1
             return sequence
 
     def start(self, sequence: Sequence, sink: Sink, synchronous: bool) -> None:
@@ -329,10 +352,10 @@ class Scheduler:
                 self._end(sequence, None)
             elif self._left_unread(sequence, now):
                 self._abandon(sequence)
-        for sequence in list(self._line):
-            if len(self._running) >= self.slots:
-                break
+        while self._line and len(self._running) < self.slots:
+            sequence = self._next_in_line()
             self._line.remove(sequence)
+            self._turns[sequence.request.client], self._turn = self._turn, self._turn + 1
             sequence.state = RUNNING
             sequence.started_at = time.perf_counter()
             if self.slots > 1:
@@ -352,6 +375,15 @@ class Scheduler:
             elif sequence.unread_since is None:
                 sequence.unread_since = now
         return batch
+
+    def _next_in_line(self) -> Sequence:
+        """The sequence a free slot goes to (the class docstring's turns)."""
+        running = Counter(s.request.client for s in self._running)
+        oldest: dict[str | None, Sequence] = {}
+        for sequence in self._line:
+            oldest.setdefault(sequence.request.client, sequence)
+        # min keeps the first of equals: the client whose oldest sequence joined the line first.
+        return min(oldest.values(), key=lambda s: (running[s.request.client], self._turns.get(s.request.client, -1)))
 
     def _left_unread(self, sequence: Sequence, now: float) -> bool:
         """A stream decoded ahead and not read for stream_idle_timeout while others wait: abandoned
@@ -409,8 +441,19 @@ class Scheduler:
     def _discard(self, sequence: Sequence) -> None:
         """A sequence that never joined the line gives its admission back."""
         sequence.state = ENDED
-        self._live.discard(sequence)
+        self._release(sequence)
         self.cond.notify_all()
+
+    def _release(self, sequence: Sequence) -> None:
+        """Its place, and its client's, are free (once, however it ended)."""
+        if sequence not in self._live:
+            return
+        self._live.discard(sequence)
+        client = sequence.request.client
+        self._held[client] -= 1
+        if not self._held[client]:
+            del self._held[client]
+            self._turns.pop(client, None)  # a client that comes back later is served as a new one
 
     def _end(self, sequence: Sequence, last: Chunk | Failure | None) -> None:
         """Under the lock, on the worker for a running sequence: frees its slot, then hands the
@@ -422,7 +465,7 @@ class Scheduler:
             sequence.decoding.ended = True  # out of later passes; a drafter it held is free
         if sequence in self._running:
             self._running.remove(sequence)
-        self._live.discard(sequence)
+        self._release(sequence)
         sequence.state = ENDED
         if isinstance(last, Chunk) and last.result is not None:
             last.result.timings["queue_s"] = sequence.queue_s()

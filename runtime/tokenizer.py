@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import functools
-import json
-import math
 import re
 import secrets
-import threading
-import time
-from datetime import datetime
+import weakref
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 from tokenizers import Tokenizer
 
 from edge_spec.manifest import BundleError, TokenizerInfo
+from runtime.render_worker import RenderCompileError, RenderFailed, RenderLimit, RenderWorker
 
 
 class ChatTemplateError(ValueError):
@@ -23,84 +17,15 @@ class ChatTemplateError(ValueError):
 
 
 class TemplateLimitError(ChatTemplateError):
-    """A chat template that went past a rendering limit (size, time): the bundle's fault."""
-
-
-def _raise(message: str):
-    raise ChatTemplateError(message)
+    """A chat template that went past a rendering limit (time, memory, size): the bundle's fault."""
 
 
 # A bundle's chat template is code from whoever made the bundle (hashed only through a pinned --bundle-sha256).
-# The sandbox stops attribute tricks; these stop it from exhausting memory or time on each request.
-RENDER_SECONDS = 5.0  # real templates render in milliseconds
+# It renders in its own process (runtime/render_worker.py), so these bound it whatever it does.
+RENDER_SECONDS = 5.0  # real templates render in milliseconds; past this the render process is killed
 RENDER_BASE_CHARS = 1 << 20  # what a template may add around the messages' own text
-MAX_POWER_BITS = 1 << 16  # an integer ** result larger than this is refused before it is computed
-
-
-class _Budget(threading.local):
-    deadline = math.inf
-    chars = RENDER_BASE_CHARS
-
-
-class _BoundedEnvironment(ImmutableSandboxedEnvironment):
-    """The sandbox plus per-render limits: no string or list over the render's character budget
-    from `*`, `%` or an integer argument of a call or filter, no huge `**`, and a deadline checked
-    at every such operation, range() and piece of output."""
-
-    intercepted_binops = frozenset(("*", "**", "%"))
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.budget = _Budget()
-        self.globals["range"] = self._range
-        self.filters = {name: self._bounded_filter(f) for name, f in self.filters.items()}
-
-    def check_time(self) -> None:
-        if time.monotonic() > self.budget.deadline:
-            raise TemplateLimitError(f"the bundle's chat template took longer than {RENDER_SECONDS:g} s to render")
-
-    def check_size(self, n: int, what: str) -> None:
-        if n > self.budget.chars:
-            raise TemplateLimitError(f"the bundle's chat template asked for {what} of {n} items, over its limit of "
-                                     f"{self.budget.chars} characters")
-
-    def check_arguments(self, args, kwargs) -> None:
-        self.check_time()
-        for value in (*args, *kwargs.values()):
-            if isinstance(value, int) and not isinstance(value, bool) and abs(value) > self.budget.chars:
-                self.check_size(abs(value), "a width or count")
-
-    def _range(self, *args):
-        self.check_arguments(args, {})
-        return safe_range(*args)
-
-    def _bounded_filter(self, f):
-        skip = 2 if getattr(f, "jinja_pass_arg", None) else 1  # the context/environment, then the value filtered
-
-        @functools.wraps(f)  # keeps jinja's pass_context/pass_environment marks
-        def bounded(*args, **kwargs):
-            self.check_arguments(args[skip:], kwargs)
-            return f(*args, **kwargs)
-
-        return bounded
-
-    def call_binop(self, context, operator, left, right):
-        self.check_time()
-        if operator == "*":
-            for seq, n in ((left, right), (right, left)):
-                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and not isinstance(n, bool):
-                    self.check_size(len(seq) * n, "a repeated string or list")
-        elif operator == "**":
-            if isinstance(left, int) and isinstance(right, int) and right > 0 and abs(left) > 1:
-                if abs(left).bit_length() * right > MAX_POWER_BITS:
-                    raise TemplateLimitError(f"the bundle's chat template computes a power with over {MAX_POWER_BITS} bits")
-        elif operator == "%" and isinstance(left, str):
-            self.check_arguments(right if isinstance(right, tuple) else (right,), {})
-        return super().call_binop(context, operator, left, right)
-
-    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's own signature)
-        __self.check_arguments(args, kwargs)
-        return super().call(__context, __obj, *args, **kwargs)
+RENDER_MEMORY_BYTES = 512 << 20  # address space a render may take, plus 16 bytes per character of its output limit
+RENDER_BYTES_PER_CHAR = 16  # a few copies of the output at up to 4 bytes a character
 
 
 class BundleTokenizer:
@@ -123,36 +48,33 @@ class BundleTokenizer:
         # which only makes the cheap "obviously too long" check more lenient).
         self.max_token_bytes = max((len(k.encode("utf-8", "surrogatepass")) for k in vocab), default=1) or 1
         self.eos_token_ids = frozenset(info.eos_token_ids)
-        self._template = None
+        self._renderer = None
         if info.chat_template:
-            # The same rendering rules Hugging Face applies to chat templates: a sandbox,
-            # trimmed blocks, loop controls, and raise_exception / strftime_now helpers.
-            env = _BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-            env.globals["raise_exception"] = _raise
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            # Templates serialize tool calls with tojson: keep key order and raw characters,
-            # as Hugging Face does, not jinja2's HTML-safe, key-sorted default.
-            env.filters["tojson"] = lambda value, indent=None, separators=None, sort_keys=False: json.dumps(
-                value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
-            )
-            env.filters["tojson"] = env._bounded_filter(env.filters["tojson"])
-            self._env = env
-            try:
-                self._template = env.from_string(info.chat_template)
-            except jinja2.TemplateError as exc:
-                raise ChatTemplateError(f"the bundle's chat template does not compile: {exc}; fix tokenizer.chat_template "
-                                        "in manifest.json or re-export the bundle") from None
+            self._renderer = RenderWorker(info.chat_template, info.special_tokens)
+            weakref.finalize(self, self._renderer.close)  # the render process ends with its tokenizer
             try:  # a template over its limits for one short message would be so for every request
-                self.render_chat([{"role": "user", "content": "Hello"}])
-            except TemplateLimitError as exc:
+                self._render([{"role": "user", "content": "Hello"}], True)
+            except RenderCompileError as exc:
+                raise ChatTemplateError(str(exc)) from None
+            except RenderLimit as exc:
                 raise TemplateLimitError(f"{exc} for a one-message chat; fix tokenizer.chat_template in manifest.json "
                                          "or re-export the bundle") from None
-            except ChatTemplateError:
+            except RenderFailed:
                 pass  # the template's own refusal (raise_exception) of this probe says nothing about the bundle
 
     @property
     def has_chat_template(self) -> bool:
-        return self._template is not None
+        return self._renderer is not None
+
+    def stop_renders(self) -> None:
+        """Kill a chat render in flight (it fails with ChatTemplateError); the next render starts afresh."""
+        if self._renderer is not None:
+            self._renderer.stop()
+
+    def close(self) -> None:
+        """End the render process; later chat renders fail."""
+        if self._renderer is not None:
+            self._renderer.close()
 
     def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
         """Token ids of text. parse_special=False tokenizes special-token strings ("<|im_end|>")
@@ -167,31 +89,21 @@ class BundleTokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        if self._template is None:
-            raise ChatTemplateError("this bundle's tokenizer has no chat template; pass a raw prompt instead")
-        budget = self._env.budget
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         text_chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
-        budget.chars = RENDER_BASE_CHARS + 2 * text_chars  # a template may show the messages twice
-        budget.deadline = time.monotonic() + RENDER_SECONDS
-        pieces, size = [], 0
+        chars = RENDER_BASE_CHARS + 2 * text_chars  # a template may show the messages twice
+        return self._renderer.render(messages, add_generation_prompt, seconds=RENDER_SECONDS, chars=chars,
+                                     memory=RENDER_MEMORY_BYTES + RENDER_BYTES_PER_CHAR * chars)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self._renderer is None:
+            raise ChatTemplateError("this bundle's tokenizer has no chat template; pass a raw prompt instead")
         try:
-            for piece in self._template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                 **self.info.special_tokens):
-                size += len(piece)
-                self._env.check_size(size, "output")
-                self._env.check_time()
-                pieces.append(piece)
-        except ChatTemplateError:
-            raise
-        except (jinja2.TemplateError, ArithmeticError, LookupError, MemoryError, RecursionError, TypeError, ValueError,
-                AttributeError) as exc:
-            # One line, whatever the template did (MemoryError, OverflowError from range(), a type error).
-            reason = (str(exc).splitlines() or [""])[0][:200]
-            raise ChatTemplateError(f"the bundle's chat template failed: {type(exc).__name__}: {reason}") from None
-        finally:
-            budget.deadline = math.inf
-        return "".join(pieces)
+            return self._render(messages, add_generation_prompt)
+        except RenderLimit as exc:
+            raise TemplateLimitError(str(exc)) from None
+        except RenderFailed as exc:
+            raise ChatTemplateError(str(exc)) from None
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """The template writes any BOS itself, so no special tokens are added on top. Special-token

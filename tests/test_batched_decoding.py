@@ -92,6 +92,39 @@ def test_generate_batch_gives_each_prompt_its_solo_result(bundles):
     assert [r.stop_reason for r in solo] == ["length", "length", "stop"] and len({len(r.token_ids) for r in solo}) == 3
 
 
+def test_a_long_prompt_enters_beside_a_running_sequence_in_priced_chunks(bundles, monkeypatch):
+    """A sequence decoding gets its token every step while a new one's prompt goes in by chunks
+    the cost model prices within prefill_stall_ms (here the smallest, 8 tokens); both answers are
+    their solo answers. With prefill_stall_ms None the whole prompt goes in before the next step."""
+    from runtime import model
+
+    long_prompt = [int(t) for t in np.random.default_rng(3).integers(3, 250, size=60)]
+    config = GenerateConfig(max_new_tokens=12)
+    solo = _engine(bundles["llama"])
+    expected = [solo.generate(p, config).token_ids for p in (PROMPTS[0], long_prompt)]
+    fed = []
+    prefill = model.ModelRunner.prefill
+    monkeypatch.setattr(model.ModelRunner, "prefill", lambda runner, ids, chunk=256: (fed.append(len(ids)), prefill(runner, ids, chunk))[1])
+    for stall, most in ((1e-3, 8), (None, len(long_prompt) - 1)):
+        engine = Engine(bundles["llama"], EngineConfig(drafter="none", calibrate=False, prefill_stall_ms=stall))
+        engine.batched(2)  # both slots from the start, as the Scheduler allocates them
+        running = engine.slot_sequence(0, PROMPTS[0], config)
+        engine.advance_slots([running])
+        newcomer = engine.slot_sequence(1, long_prompt, config)
+        fed.clear()
+        newcomer_spoke = []
+        while newcomer.tokens is None:
+            before = len(running.out.generated)
+            engine.advance_slots([running, newcomer])
+            newcomer_spoke.append(bool(newcomer.out.generated))
+            assert len(running.out.generated) == before + 1  # the running one stepped in every call
+        assert max(fed) == most and sum(fed) == len(long_prompt) - 1
+        assert newcomer_spoke == [False] * (-(-(len(long_prompt) - 1) // most) - 1) + [True]  # its first token with its last chunk
+        while not (running.ended and newcomer.ended):
+            engine.advance_slots([s for s in (running, newcomer) if not s.ended])
+        assert [running.out.generated, newcomer.out.generated] == expected
+
+
 def test_generate_batch_refuses_a_block_stable_engine(bundles):
     """Why: a batched pass attends with one query row per sequence (CPU GroupQueryAttention
     refuses a block of several beside other sequences, tests/test_batched_attention.py), and
@@ -175,7 +208,8 @@ def _concurrently(model, requests: list[dict]) -> list:
 
 def _first_pass_waits_for(model, others: int, monkeypatch) -> list[int]:
     """Hold the first batched pass until `others` more sequences wait in the line; returns the
-    list of each pass's batch size, filled as passes run."""
+    list of each pass's batch size (the sequences that stepped: one whose prompt is still going
+    in, a chunk a step, takes no row), filled as passes run."""
     sizes, advance = [], model.engine.advance_slots
 
     def advance_slots(sequences):
@@ -183,8 +217,9 @@ def _first_pass_waits_for(model, others: int, monkeypatch) -> list[int]:
             deadline = time.monotonic() + 20
             while len(sequences) + model._scheduler.waiting < others + 1 and time.monotonic() < deadline:
                 time.sleep(0.005)
-        sizes.append(len(sequences))
-        return advance(sequences)
+        items = advance(sequences)
+        sizes.append(sum(s.tokens is not None for s in sequences))
+        return items
 
     monkeypatch.setattr(model.engine, "advance_slots", advance_slots)
     return sizes

@@ -149,31 +149,70 @@ class SuffixDrafter(Drafter):
     """Prompt lookup over this sequence and a suffix index of the sequences before it: each
     sequence goes into the index when the next one starts. With own_text False it drafts only
     where an earlier request matches longer than this one's own text, leaving the rest to a
-    prompt lookup beside it (auto+suffix)."""
+    prompt lookup beside it (auto+suffix).
+
+    Each client has an index of its own (`serve`): a request copies only from what its own
+    client sent or received, so what it drafts says nothing about other clients' text. The
+    indexes share one budget of settings.max_tokens; the least recently served client's oldest
+    sequences go first."""
 
     name = "suffix"
 
     def __init__(self, index: SuffixIndex, own_text: bool = True):
         # Measures the request's own match, against which a copy from earlier requests must win.
         self.lookup = PromptLookupDrafter(min_ngram=index.settings.key_len)
-        self.index = index
+        self.index = index  # the index of the client being served
+        self.client: str | None = None  # None: the one anonymous client (and a shared cache)
+        self._indexes: OrderedDict[str | None, SuffixIndex] = OrderedDict({None: index})  # least recently served first
         self.own_text = own_text
         self._seen: np.ndarray | None = None  # the committed tokens of the sequence under way
         self._copied: tuple[bytes, list[int], int] | None = None  # the last continuation asked for
+
+    def serve(self, client: str | None) -> None:
+        """The next sequence is `client`'s: it copies from that client's earlier sequences only."""
+        self._keep()
+        if client == self.client:
+            return
+        if not self.index.docs and self.client is not None:
+            del self._indexes[self.client]  # a client with nothing kept holds no index
+        self.client = client
+        if client not in self._indexes:
+            self._indexes[client] = SuffixIndex(self.index.settings)
+        self._indexes.move_to_end(client)
+        self.index = self._indexes[client]
+        self._copied = None
+
+    def _keep(self) -> None:
+        """The sequence under way goes into its client's index, within the budget of all."""
+        if self._seen is None:
+            return
+        self.index.add(self._seen)
+        self._seen = None
+        total = sum(index.n_tokens for index in self._indexes.values())
+        for client, index in list(self._indexes.items()):
+            if total <= self.index.settings.max_tokens:
+                break
+            if index is self.index:
+                continue  # bounded by its own add
+            while index.docs and total > self.index.settings.max_tokens:
+                oldest = next(iter(index.docs))
+                total -= len(index.docs[oldest])
+                index._remove(oldest)
+            if not index.docs:
+                del self._indexes[client]
 
     def accepted(self, tokens, n_accepted):
         self._seen = tokens
 
     def reset(self, tokens=(), prefill=True):
         self._copied = None
-        if self._seen is not None:
-            self.index.add(self._seen)
-            self._seen = None
+        self._keep()
 
     def forget(self):
         self._seen = None
         self._copied = None
         self.index = SuffixIndex(self.index.settings)
+        self._indexes = OrderedDict({self.client: self.index})
 
     def _continuation(self, tokens: np.ndarray) -> tuple[list[int], int]:
         """The continuation for `tokens` (up to MAX_GAMMA: any shorter one is its prefix) and its
@@ -207,3 +246,10 @@ class SuffixDrafter(Drafter):
     def propose(self, tokens, gamma, sampling, rng):
         continuation = self.find(tokens, gamma)
         return Proposal(continuation, None) if len(continuation) else None
+
+
+def serve_client(drafter: Drafter | None, client: str | None) -> None:
+    """Tell every suffix cache among the drafter's parts whose sequence comes next."""
+    for part in [] if drafter is None else drafter.parts():
+        if isinstance(part, SuffixDrafter):
+            part.serve(client)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import sys
 import time
 import uuid
@@ -19,11 +20,24 @@ from starlette.routing import Route
 from runtime.api import Job, Model, ModelClosedError, QueueFullError, QueueTimeoutError
 from runtime.server.body import BodyLimits, BodyReader
 from runtime.server.config import ServerConfig
-from runtime.server.errors import ApiError, ClientGone
+from runtime.server.errors import ApiError, ClientGone, printable
 from runtime.server.metrics import Metrics
 from runtime.server.schema import Parsed, RequestParser
-from runtime.server.security import Guard, KeyGate
+from runtime.server.security import Guard, KeyGate, client_identity
 from runtime.server.streaming import EventStream, unless_disconnected
+from runtime.server.security import access_log
+
+
+class _PrintableValues(logging.Filter):
+    """The access log's values as printable text: a path's %0d%0a cannot write a forged line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(printable(arg) if isinstance(arg, str) else arg for arg in record.args)
+        return True
+
+
+access_log.addFilter(_PrintableValues())
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
 SHUTDOWN_FINISH_REASON = "abort"  # vLLM's name for a request the server ended: the text is cut short
@@ -71,18 +85,19 @@ class Server:
 
     async def _http_error(self, request: Request, exc: HTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        message = {404: f"no route {request.method} {request.url.path}",
-                   405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+        path = printable(request.url.path, 100)  # a short prefix: a path may be as long as the headers allow
+        message = {404: f"no route {request.method} {path}",
+                   405: f"{request.method} is not allowed on {path}"}.get(exc.status_code, str(exc.detail))
         return ApiError(exc.status_code, message, code=code, headers=exc.headers).response()
 
     async def _internal_error(self, request: Request, exc: Exception) -> Response:
-        print(f"edge-spec server: internal error on {request.url.path} (request {self.request_id(request)}): "
+        print(f"edge-spec server: internal error on {printable(request.url.path)} (request {self.request_id(request)}): "
               f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
 
-    def _submit(self, parsed: Parsed) -> Job:
+    def _submit(self, parsed: Parsed, client: str) -> Job:
         try:
-            return self.model.submit(prompt_ids=parsed.prompt_ids, options=parsed.options)
+            return self.model.submit(prompt_ids=parsed.prompt_ids, options=dataclasses.replace(parsed.options, client=client))
         except QueueFullError as exc:
             raise ApiError(429, f"Server busy: {exc}", type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": "1"}) from None
@@ -134,15 +149,16 @@ class Server:
         began = time.perf_counter()
         status = 200
         try:
-            self.gate.authorize(request.scope)
+            key = self.gate.authorize(request.scope)
             if self.stopping:
                 raise ApiError(503, "the server is shutting down", type="server_error", code="shutting_down")
             body = await self.bodies.read(request)
             parsed = await parse(body)
+            client = client_identity(key, body.get("user"), (request.scope.get("client") or ("-",))[0], self.config)
             chosen, engine = parsed.options.speculation, self.model.engine.config
             request.scope["edge_spec.speculation"] = (f"drafter={(chosen and chosen.drafter) or engine.drafter} "
                                                       f"max_gamma={(chosen and chosen.max_gamma) or engine.max_gamma}")
-            job = self._submit(parsed)
+            job = self._submit(parsed, client)
         except ApiError as exc:
             self.metrics.request(endpoint, exc.status, time.perf_counter() - began)
             return exc.response()
@@ -189,8 +205,9 @@ class Server:
                 self.metrics.request(endpoint, status, time.perf_counter() - began)
 
     def begin_shutdown(self, loop: asyncio.AbstractEventLoop) -> None:
-        """SIGTERM: take no new generations; running and queued ones may finish for
-        shutdown_timeout seconds, then are cancelled (streams get a last chunk and [DONE])."""
+        """SIGTERM: take no new generations; running and queued ones, and a chat template still
+        rendering, may finish for shutdown_timeout seconds, then are cancelled (streams get a last
+        chunk and [DONE]; the render's request a one-line error)."""
         if self.stopping:
             return
         self.stopping = True
@@ -198,6 +215,7 @@ class Server:
         def abort() -> None:
             self.aborting = True
             self.model.cancel_all()
+            self.model.engine.tokenizer.stop_renders()
 
         loop.call_later(self.config.shutdown_timeout, abort)
 

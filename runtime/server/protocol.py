@@ -1,4 +1,5 @@
-"""uvicorn's h11 protocol with what uvicorn lacks: read deadlines and connection limits."""
+"""uvicorn's h11 protocol with what uvicorn lacks: read deadlines, connection limits, and no
+request framed by both Content-Length and Transfer-Encoding."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from runtime.server.security import Connections
 def _raw_response(status: int, code: str, message: str, retry_after: int | None = None) -> bytes:
     body = json.dumps(ApiError(status, message, type="server_error" if status >= 500 else "invalid_request_error",
                                code=code).body()).encode()
-    reason = {408: "Request Timeout", 429: "Too Many Requests", 503: "Service Unavailable"}[status]
+    reason = {400: "Bad Request", 408: "Request Timeout", 429: "Too Many Requests", 503: "Service Unavailable"}[status]
     head = [f"HTTP/1.1 {status} {reason}", "Content-Type: application/json", f"Content-Length: {len(body)}", "Connection: close"]
     if retry_after is not None:
         head.append(f"Retry-After: {retry_after}")
@@ -21,8 +22,9 @@ def _raw_response(status: int, code: str, message: str, retry_after: int | None 
 
 def guarded_protocol(config: ServerConfig):
     """uvicorn's h11 protocol plus what uvicorn lacks: a deadline for a request's headers (which
-    also bounds a connection that sends nothing), a deadline for its body, and connection limits
-    per client network and in all. The keep-alive idle timeout is uvicorn's own."""
+    also bounds a connection that sends nothing), a deadline for its body, connection limits
+    per client network and in all, and a 400 that closes the connection for a request with both
+    Content-Length and Transfer-Encoding. The keep-alive idle timeout is uvicorn's own."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -33,6 +35,8 @@ def guarded_protocol(config: ServerConfig):
             super().connection_made(transport)
             self._deadline = None
             self._reading = None
+            next_event = self.conn.next_event  # uvicorn's handle_events reads every request through it
+            self.conn.next_event = lambda: self._framed(next_event())
             self._client_key = config.client_network(self.client[0]) if self.client else "-"
             refusal = connections.admit(self._client_key)
             self._admitted = refusal is None
@@ -42,6 +46,19 @@ def guarded_protocol(config: ServerConfig):
                 transport.close()
                 return
             self._arm("headers")
+
+        def _framed(self, event):
+            """RFC 9112 §6.1: a request with both Content-Length and Transfer-Encoding may hide a
+            second request in its body (h11 goes by Transfer-Encoding and keeps the connection):
+            answered 400 and the connection closed, before the app sees it."""
+            if isinstance(event, h11.Request):
+                names = {name for name, _ in event.headers}  # h11 lowercases header names
+                if b"content-length" in names and b"transfer-encoding" in names:
+                    self.transport.write(_raw_response(400, "ambiguous_framing", "a request may not carry both "
+                                                       "Content-Length and Transfer-Encoding (RFC 9112 6.1); send one"))
+                    self.transport.close()
+                    return h11.NEED_DATA  # uvicorn stops reading: the connection is closing
+            return event
 
         def connection_lost(self, exc) -> None:
             if self._admitted:

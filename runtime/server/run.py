@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import socket
 import sys
+import threading
 
-from runtime import heap
+from runtime import heap, render_worker
 from runtime.api import Model
 from runtime.server.app import Server
 from runtime.server.config import ServerConfig, is_loopback
@@ -40,7 +42,34 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def make_uvicorn(server: Server, log_level: str = "warning"):
+UVICORN_GRACE_SECONDS = 10.0  # after our own deadline has ended every generation, for the connections to close
+EXIT_MARGIN_SECONDS = 5.0  # after uvicorn's, for the last teardown
+
+
+def grace_period(config: ServerConfig) -> float:
+    """Seconds from SIGTERM/SIGINT to the end of a `serve` process, at the latest."""
+    return config.shutdown_timeout + UVICORN_GRACE_SECONDS + EXIT_MARGIN_SECONDS
+
+
+def _exit_after(seconds: float) -> None:
+    """Ends the process `seconds` from now if it has not ended by then: a thread stuck anywhere
+    (a non-daemon thread is joined at exit) must not keep a stopped server alive."""
+
+    def end() -> None:
+        stuck = sorted(t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread())
+        print(f"edge-spec server: still running {seconds:g} s after the signal (threads: {', '.join(stuck) or 'main'}); "
+              "exiting", file=sys.stderr, flush=True)
+        render_worker.stop_all()
+        os._exit(0)
+
+    timer = threading.Timer(seconds, end)
+    timer.daemon = True
+    timer.start()
+
+
+def make_uvicorn(server: Server, log_level: str = "warning", hard_exit: bool = False):
+    """hard_exit: the first signal also bounds the whole process's life to grace_period (for `serve`,
+    which owns its process; not for a server run inside another program)."""
     import uvicorn
 
     config = uvicorn.Config(
@@ -48,13 +77,18 @@ def make_uvicorn(server: Server, log_level: str = "warning"):
         access_log=False, proxy_headers=False,  # X-Forwarded-For from loopback must not pick the throttled address
         timeout_keep_alive=server.config.idle_timeout,
         # uvicorn cancels what is left only after our own deadline has ended every generation.
-        timeout_graceful_shutdown=server.config.shutdown_timeout + 10,
+        timeout_graceful_shutdown=server.config.shutdown_timeout + UVICORN_GRACE_SECONDS,
     )
 
     class _Uvicorn(uvicorn.Server):
+        armed = False
+
         def handle_exit(self, sig, frame) -> None:
             super().handle_exit(sig, frame)
             self._captured_signals.clear()  # a handled SIGTERM/SIGINT ends the process with status 0
+            if hard_exit and not self.armed:
+                self.armed = True
+                _exit_after(grace_period(server.config))
 
         async def shutdown(self, sockets=None) -> None:
             server.begin_shutdown(asyncio.get_running_loop())
@@ -66,7 +100,8 @@ def make_uvicorn(server: Server, log_level: str = "warning"):
 def serve(model: Model, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, insecure: bool = False,
           model_id: str | None = None, log_level: str = "warning", announce=print, config: ServerConfig | None = None,
           api_keys=()) -> None:
-    """Serve until SIGINT/SIGTERM; running generations get config.shutdown_timeout to finish."""
+    """Serve until SIGINT/SIGTERM; running generations get config.shutdown_timeout to finish, and
+    the process ends within grace_period(config) of the signal whatever is still running."""
     config = dataclasses.replace(config or ServerConfig(), host=host)
     check_bind(host, api_key or list(api_keys), insecure)
     heap.bound_arenas()  # the event loop, parsing and worker threads share two malloc arenas
@@ -83,7 +118,7 @@ def serve(model: Model, host: str = "127.0.0.1", port: int = 8000, api_key: str 
     announce(f"edge-spec: serving {server.model_id!r} on http://{shown}:{sock.getsockname()[1]}/v1 "
              f"(queue {model.max_queue}, {'API key required' if keyed else 'no API key'}); Ctrl-C stops")
     try:
-        make_uvicorn(server, log_level).run(sockets=[sock])
+        make_uvicorn(server, log_level, hard_exit=True).run(sockets=[sock])
     finally:
         model.close()
         sock.close()

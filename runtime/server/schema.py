@@ -14,7 +14,7 @@ from runtime.api import Model, Options
 from runtime.engine import Prompt, PromptTooLongError
 from runtime.requests import check_messages
 from runtime.server.body import MAX_STOP_CHARS, MAX_STOP_STRINGS
-from runtime.server.errors import ApiError, setting_error, type_error, value_error
+from runtime.server.errors import ApiError, echo, setting_error, type_error, value_error
 from runtime.tokenizer import ChatTemplateError
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
@@ -54,17 +54,6 @@ def _integer(body: dict, name: str, default, low: int | None = None, high: int |
     return value
 
 
-def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise type_error(name, "a number", value)
-    if not low <= value <= high:
-        raise value_error(name, f"{name} must be between {low:g} and {high:g}, got {value}")
-    return float(value)
-
-
 def _settings(body: dict) -> dict:
     """The request settings a body may carry (their Param on Options: type, range, and the
     server's own default, upper bound and spellings of off), read generically: a new setting
@@ -81,12 +70,11 @@ def _settings(body: dict) -> dict:
         if _neutral(value, p.server_off):
             continue  # the field's default is its off
         if p.kind is int:
-            value = _integer(body, name, None)
-        elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise type_error(name, "a number", value)
-        high = p.server_high if p.server_high is not None else p.high
-        if not p.within(value, high):
-            raise value_error(name, f"{name} must be {p.describe(high)}, got {shown(value)}")
+            value = _integer(body, name, None)  # an integral float such as 2.0 too, as OpenAI takes it
+        try:  # the Param's own check: a number too large for a float is out of range, not an OverflowError
+            value = p.check(name, value, high=p.server_high if p.server_high is not None else p.high)
+        except SettingError as exc:
+            raise setting_error(exc) from None
         found[name] = float(value) if p.kind is float else value
     return found
 
@@ -112,7 +100,7 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
                        param=unknown[0][:40], code="unknown_parameter")
     for name, values in _COMMON_INERT.items():
         if name in body and body[name] is not None and not _neutral(body[name], values):
-            raise value_error(name, f"{name}={json.dumps(body[name])[:40]} is not supported by this server "
+            raise value_error(name, f"{name}={echo(body[name])} is not supported by this server "
                                     f"(leave it out or use {json.dumps(values[0])})")
 
 
@@ -232,6 +220,9 @@ class RequestParser:
             ids = await self._encode(prompt=prompt, parse_special=parse_special)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
+            outside = next((t for t in ids if not 0 <= t < self.model.vocab_size), None)
+            if outside is not None:  # named here by a short prefix: the engine's message quotes the id whole
+                raise value_error("prompt", f"token id {shown(outside)} is outside the vocabulary [0, {self.model.vocab_size})")
         elif prompt is None:
             raise ApiError(400, "prompt is required", param="prompt", code="missing_required_parameter")
         elif isinstance(prompt, list):

@@ -4,17 +4,19 @@ HTTP protocol admits by."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import math
+import os
 import re
 import threading
 import time
 import uuid
 from collections import OrderedDict, deque
 
-from runtime.server.config import ServerConfig
-from runtime.server.errors import ApiError
+from runtime.server.config import ServerConfig, client_network
+from runtime.server.errors import ApiError, type_error
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")  # a client's X-Request-Id is echoed only if it looks like one
 access_log = logging.getLogger("edge_spec.access")
@@ -47,25 +49,35 @@ def read_api_key_file(path: str) -> list[str]:
 
 class AuthThrottle:
     """Wrong keys in a sliding window, per client network and from all networks together. Past a
-    network's limit, that network gets 429 until the window slides; past the global limit, so does
-    every network that has not sent a right key (networks known good keep being served, so a
-    flood of wrong keys cannot lock their clients out)."""
+    network's limit, that network gets 429 until the window slides, except for a key already
+    accepted from it: a client known good is not locked out by another client's wrong keys on its
+    network (another local process, on loopback). Past the global limit, so does every network
+    that has not sent a right key (networks known good keep being served, so a flood of wrong
+    keys cannot lock their clients out).
+
+    A key never accepted from a throttled network gets the same 429 as a wrong one, so such a
+    network cannot probe. One with a key accepted can tell that key's answer from a wrong one's,
+    so its wrong keys keep counting while it is throttled, and past hard_limit of them in a window
+    the accepted key is refused too: the guesses one network can check stay bounded."""
 
     MAX_NETWORKS = 10_000  # remembered networks, failed and known good (the oldest are forgotten first)
 
     def __init__(self, limit: int, window: float, global_limit: int):
         self.limit, self.window, self.global_limit = limit, window, global_limit
+        self.hard_limit = max(limit, global_limit)
         self._failures: dict[str, deque] = {}
         self._all: deque = deque(maxlen=global_limit)
-        self._known_good: OrderedDict[str, None] = OrderedDict()
+        self._known_good: OrderedDict[str, set[str]] = OrderedDict()  # network -> ids of the keys accepted from it
         self._lock = threading.Lock()
 
     def _slide(self, failures: deque, now: float) -> None:
         while failures and failures[0] <= now - self.window:
             failures.popleft()
 
-    def retry_after(self, network: str) -> tuple[int, str] | None:
-        """None when `network` may try a key, else (seconds to wait, what is throttled)."""
+    def check(self, network: str, key: str | None, wrong: bool) -> tuple[int, str] | None:
+        """None when a request from `network` may be answered, else (seconds to wait, what is
+        throttled). key: the id of the right key it presents (None: it presents none); wrong: it
+        presents a wrong key, counted here."""
         with self._lock:
             now = time.monotonic()
             failures = self._failures.get(network)
@@ -73,26 +85,34 @@ class AuthThrottle:
                 self._slide(failures, now)
                 if not failures:
                     del self._failures[network]
-                elif len(failures) >= self.limit:
-                    return max(1, math.ceil(failures[0] + self.window - now)), network
+            accepted = self._known_good.get(network, set())
+            if failures and len(failures) >= self.limit:
+                if key in accepted and len(failures) < self.hard_limit:
+                    return None
+                if wrong and accepted:
+                    failures.append(now)  # a guess this network can tell apart from the accepted key's answer
+                over = self.limit if key not in accepted else self.hard_limit
+                return max(1, math.ceil(failures[max(0, len(failures) - over)] + self.window - now)), network
             self._slide(self._all, now)
             if len(self._all) >= self.global_limit and network not in self._known_good:
                 return max(1, math.ceil(self._all[0] + self.window - now)), "all clients"
+            if wrong:
+                if network not in self._failures and len(self._failures) >= self.MAX_NETWORKS:
+                    del self._failures[next(iter(self._failures))]
+                maxlen = self.hard_limit if accepted else self.limit
+                self._failures.setdefault(network, deque(maxlen=maxlen)).append(now)
+                self._all.append(now)
             return None
 
-    def fail(self, network: str) -> None:
+    def succeed(self, network: str, key: str) -> None:
         with self._lock:
-            if network not in self._failures and len(self._failures) >= self.MAX_NETWORKS:
-                del self._failures[next(iter(self._failures))]
-            self._failures.setdefault(network, deque(maxlen=self.limit)).append(time.monotonic())
-            self._all.append(time.monotonic())
-
-    def succeed(self, network: str) -> None:
-        with self._lock:
-            self._known_good[network] = None
+            self._known_good.setdefault(network, set()).add(key)
             self._known_good.move_to_end(network)
             if len(self._known_good) > self.MAX_NETWORKS:
                 self._known_good.popitem(last=False)
+            failures = self._failures.get(network)
+            if failures is not None and failures.maxlen < self.hard_limit:
+                self._failures[network] = deque(failures, maxlen=self.hard_limit)
 
 
 class KeyGate:
@@ -102,30 +122,51 @@ class KeyGate:
         self.keys = check_api_keys(keys)
         self.config = config
         self.throttle = AuthThrottle(config.auth_failures, config.auth_window, config.auth_failures_global)
+        salt = os.urandom(16)  # a key's id cannot be checked against guesses outside this process
+        self._ids = tuple(hashlib.blake2b(key, key=salt, digest_size=8).hexdigest() for key in self.keys)
 
-    def authorize(self, scope) -> None:
+    def authorize(self, scope) -> str | None:
+        """ApiError (401, 429) unless the request may go on; else the id of the key it presented
+        (a salted hash, never the key), or None when the server has no keys."""
         if not self.keys:
-            return
+            return None
         network = self.config.client_network((scope.get("client") or ("-",))[0])
-        throttled = self.throttle.retry_after(network)
-        if throttled is not None:
-            wait, who = throttled
-            raise ApiError(429, f"Too many wrong API keys from {who}; retry in {wait} s", type="rate_limit_error",
-                           code="auth_throttled", headers={"Retry-After": str(wait)})
         # The raw header bytes: a key is compared as the UTF-8 bytes the client sent.
         header = next((v for k, v in scope.get("headers", ()) if k.lower() == b"authorization"), b"")
         scheme, _, token = header.strip().partition(b" ")
         token = token.strip()
-        if not header or scheme.lower() != b"bearer" or not token:
+        presented = bool(header) and scheme.lower() == b"bearer" and bool(token)
+        found = None
+        if presented:
+            for key, key_id in zip(self.keys, self._ids):  # every key is compared: the time taken does not say which matched
+                found = key_id if hmac.compare_digest(token, key) else found
+        throttled = self.throttle.check(network, found, wrong=presented and found is None)
+        if throttled is not None:
+            wait, who = throttled
+            raise ApiError(429, f"Too many wrong API keys from {who}; retry in {wait} s", type="rate_limit_error",
+                           code="auth_throttled", headers={"Retry-After": str(wait)})
+        if not presented:
             raise ApiError(401, "Missing API key: send it as 'Authorization: Bearer KEY'", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
-        matched = False
-        for key in self.keys:  # every key is compared: the time taken does not say which matched
-            matched |= hmac.compare_digest(token, key)
-        if not matched:
-            self.throttle.fail(network)
+        if found is None:
             raise ApiError(401, "Incorrect API key provided", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        self.throttle.succeed(network)
+        self.throttle.succeed(network, found)
+        return found
+
+
+def client_identity(key: str | None, user, address: str, config: ServerConfig) -> str:
+    """Who a request counts as for the suffix cache and the scheduler's turns: the id of its API
+    key (KeyGate.authorize), else its address (every loopback address as one, an IPv6 address by
+    its /client_prefix_v6 network, which one host holds whole); and with a `user` field, that user
+    of the key or address, so one key shared by an app's users still separates them. ApiError
+    (400) for a `user` that is not a string."""
+    if user is not None and not isinstance(user, str):
+        raise type_error("user", "a string", user)
+    who = f"key:{key}" if key is not None else f"address:{client_network(address, 32, config.client_prefix_v6)}"
+    if user:
+        # Hashed: an identity has a bounded size, whatever the client sent.
+        who += "/user:" + hashlib.blake2b(user.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
+    return who
 
 
 class Guard:
