@@ -202,7 +202,7 @@ def test_the_reference_emulation_dequantizes_as_the_contrib_spec_says():
 def test_real_kit_rehearses_within_the_box_limits(tmp_path):
     """The kit README builds (the SmolLM2 --device cuda int4 bundle with layer-skip:10, lookup and
     auto beside it), with a stand-in wheel of onnxruntime-gpu's size class, rehearsed under the
-    box's limits against this repository's own tree, then one piece lost."""
+    box's limits against this repository's own tree, then one piece lost, then a wrong bundle."""
     import real
 
     real.need(real.SMOLLM2, real.HUMANEVAL)
@@ -224,5 +224,16 @@ def test_real_kit_rehearses_within_the_box_limits(tmp_path):
         (out / kit["pieces"][-1]["path"]).unlink()
         proc = subprocess.run([sys.executable, str(out / "carry-1" / "launch.py"), "--provider", "cpu"], capture_output=True, text=True)
         assert proc.returncode == 2 and kit["pieces"][-1]["path"] in proc.stderr
+        # The same bundle with rotary left out of its attention, carried with the right references: exit 1.
+        from test_device_profiles import _rewritten
+        from test_provider_emulation import ignore_rotary
+
+        wrong = tree / "gpu-kit" / f"wrong-{tmp_path.name}"
+        build(KitConfig(out=wrong, bundle=_rewritten(bundle, tmp_path / "wrong", ignore_rotary), prompts=HUMANEVAL_2, xz_preset=0),
+              references=(out / "references", kit["reference"]))
+        proc = subprocess.run([sys.executable, str(wrong / "carry-1" / "launch.py"), "--provider", "cpu"], capture_output=True, text=True)
+        assert proc.returncode == 1, proc.stderr[-2000:]
+        assert "below the floor 0.97" in json.loads((wrong / "run" / "kit_run.json").read_text())["error"]
     finally:
         shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(tree / "gpu-kit" / f"wrong-{tmp_path.name}", ignore_errors=True)
