@@ -1,8 +1,8 @@
-"""python -m benchmarks load_run BUNDLE [--waves 3] [--clients 32] [--slow 10] [--oversized 4] [--disconnect 0] [--wrong-keys-from 0] [--out FILE.json]
+"""python -m benchmarks load_run BUNDLE [--waves 3] [--clients 32] [--slow 10] [--oversized 4] [--body-bytes N] [--max-body-bytes N] [--disconnect 0] [--wrong-keys-from 0] [--out FILE.json]
 
 Starts `python -m runtime serve BUNDLE` on 127.0.0.1 and sends it, per wave and all at once: N
 streaming greedy clients, slow clients (headers at one byte per second, or a body that stalls),
-~1 MiB bodies of each kind in turn (text, token ids, a stop list, logit_bias), and streaming
+large bodies (~1 MiB, --body-bytes) of each kind in turn (text, token ids, a stop list, logit_bias), and streaming
 clients that disconnect after their first event, while /health is polled every 50 ms. Before the
 waves each prompt is sent alone; every streamed answer must equal its solo answer. With
 --wrong-keys-from N the server requires a key (every other client sends it) and, after the
@@ -156,14 +156,15 @@ def _health_poller(port: int, stop: threading.Event, out: list) -> None:
 OVERSIZED_KINDS = ("text", "token_ids", "stop_list", "logit_bias")
 
 
-def _oversized_body(kind: str) -> dict:
+def _oversized_body(kind: str, size: int = 2**20) -> dict:
+    """A body of about `size` bytes of JSON (1 MiB by default) of one kind."""
     if kind == "text":
-        return {"prompt": "word " * 200_000, "max_tokens": 1}
+        return {"prompt": "word " * (size // 5), "max_tokens": 1}
     if kind == "token_ids":
-        return {"prompt": [1] * 350_000, "max_tokens": 1}
+        return {"prompt": [1] * (size // 3), "max_tokens": 1}
     if kind == "stop_list":
-        return {"prompt": "hi", "max_tokens": 1, "stop": ["x"] * 200_000}
-    return {"prompt": "hi", "max_tokens": 1, "logit_bias": {str(i): 1 for i in range(80_000)}}
+        return {"prompt": "hi", "max_tokens": 1, "stop": ["x"] * (size // 5)}
+    return {"prompt": "hi", "max_tokens": 1, "logit_bias": {str(i): 1 for i in range(size // 13)}}
 
 
 def _metric(port: int, name: str, key: str | None) -> float | None:
@@ -224,7 +225,7 @@ def _percentile(values: list[float], q: float) -> float | None:
 def run(args: argparse.Namespace) -> dict:
     args.key = secrets.token_urlsafe(18) if args.wrong_keys_from else None
     key = args.key
-    proc, port = start_server(args.bundle, args)
+    proc, port = start_server(args.bundle, args, extra=["--max-body-bytes", str(args.max_body_bytes)] if args.max_body_bytes else [])
     try:
         prompts = _prompts(args.clients)
         request = {"max_tokens": args.max_tokens, "temperature": 0}
@@ -234,7 +235,7 @@ def run(args: argparse.Namespace) -> dict:
             if status != 200:
                 raise RuntimeError(f"solo request failed: {status} {text}")
             solo[p] = text
-        oversized_bodies = [(kind, json.dumps(_oversized_body(kind))) for kind in OVERSIZED_KINDS]
+        oversized_bodies = [(kind, json.dumps(_oversized_body(kind, args.body_bytes))) for kind in OVERSIZED_KINDS]
         waves = []
         for wave in range(args.waves):
             results: dict[str, list] = {"stream": [], "slow": [], "oversized": [], "disconnect": []}
@@ -318,7 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--waves", type=int, default=3)
     parser.add_argument("--clients", type=int, default=32, help="concurrent streaming clients per wave")
     parser.add_argument("--slow", type=int, default=10, help="slow clients per wave (half dribble headers, half stall a body)")
-    parser.add_argument("--oversized", type=int, default=4, help="~1 MiB bodies per wave, the kinds in turn: text, token ids, stop list, logit_bias")
+    parser.add_argument("--oversized", type=int, default=4, help="large bodies per wave, the kinds in turn: text, token ids, stop list, logit_bias")
+    parser.add_argument("--body-bytes", type=int, default=2**20, help="the large bodies' size, about (default 1 MiB)")
+    parser.add_argument("--max-body-bytes", type=int, help="serve --max-body-bytes (to send bodies the server reads whole, up to its 8 MiB cap)")
     parser.add_argument("--disconnect", type=int, default=0, help="streaming clients per wave that leave after their first event")
     parser.add_argument("--wrong-keys-from", type=int, default=0, metavar="N",
                         help="serve with a key; after the waves, wrong keys from N loopback addresses until each gets a 429 (at most 254)")

@@ -73,7 +73,7 @@ def _measure(port: int, extra: dict, args: argparse.Namespace, others: int, seed
     done.set()
     for thread in threads:
         thread.join(600)
-    gaps = [b - a for a, b in zip(times, times[1:])]
+    gaps = [b - a for a, b in zip(times, times[1:])] or [float("nan")]  # a stream of one token has no gap
     return {"tokens": len(times), "wall_s": round(times[-1] - began, 3), "first_s": round(times[0] - began, 3),
             "gap_p50_ms": round(_percentile(gaps, 0.5) * 1000, 1), "gap_p99_ms": round(_percentile(gaps, 0.99) * 1000, 1),
             "gap_max_ms": round(max(gaps) * 1000, 1), "other_requests": sent[0]}

@@ -558,6 +558,19 @@ def test_load_run_script_reports_a_small_run(llama_bundle, tmp_path):
     assert all(w["health"]["polls"] > 0 and w["server_rss_mb"] > 0 for w in report["waves"])
 
 
+def test_mixed_load_script_reports_a_small_run(llama_bundle, tmp_path):
+    """The mixed-load benchmark (one stream beside long prompts) end to end at a tiny scale."""
+    out = tmp_path / "mixed.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "mixed_load", str(llama_bundle), "--stalls", "0,50", "--parallel", "2",
+                           "--stream-tokens", "10", "--prompt-words", "40", "--others", "1", "--rounds", "1", "--threads", "1", "--out", str(out)],
+                          cwd=ROOT, env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["server"], r["mode"]) for r in rows] == [(f"edge-spec stall {s} ms", m) for s in ("0", "50") for m in ("alone", "beside")]
+    assert all(r["tokens"][0] >= 1 and r["wall_s"] > 0 for r in rows) and all(r["other_requests"] == 0 for r in rows if r["mode"] == "alone")
+
+
 # -- second pass: sampling settings, the API's checks, strict parsing ---------------------------------
 
 @pytest.mark.parametrize("path, body", [
