@@ -62,6 +62,14 @@ def start_server(bundle: str, args: argparse.Namespace, extra: list[str] = ()) -
             return proc, int(line.split("http://127.0.0.1:")[1].split("/")[0])
 
 
+def stop_servers(servers: list[dict]) -> None:
+    """Ends the servers this process started (`proc` None: an external one, left running)."""
+    for server in servers:
+        if server["proc"] is not None:
+            server["proc"].terminate()
+            server["proc"].wait(30)
+
+
 def _headers(key: str | None) -> dict:
     return {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
 

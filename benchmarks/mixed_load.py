@@ -80,7 +80,7 @@ def _measure(port: int, extra: dict, args: argparse.Namespace, others: int, seed
 
 
 def run(args: argparse.Namespace) -> dict:
-    from benchmarks.load_run import start_server
+    from benchmarks.load_run import start_server, stop_servers
 
     servers = []
     try:
@@ -98,10 +98,7 @@ def run(args: argparse.Namespace) -> dict:
                 rows[server["server"], "alone"].append(_measure(server["port"], server["extra"], args, 0, r))
                 rows[server["server"], "beside"].append(_measure(server["port"], server["extra"], args, args.others, r))
     finally:
-        for server in servers:
-            if server["proc"] is not None:
-                server["proc"].terminate()
-                server["proc"].wait(30)
+        stop_servers(servers)
     table = []
     for (server, mode), runs in rows.items():
         median = lambda key: sorted(run[key] for run in runs)[len(runs) // 2]  # noqa: E731

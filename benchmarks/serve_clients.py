@@ -83,7 +83,7 @@ def _round(port: int, prompts: list[list[dict]], max_tokens: int) -> dict:
 
 def run(args: argparse.Namespace) -> dict:
     from benchmarks.bench.prompts import load_prompts
-    from benchmarks.load_run import _percentile, start_server
+    from benchmarks.load_run import _percentile, start_server, stop_servers
 
     prompts = [list(p.messages) for p in load_prompts(args.prompts) if p.messages]
     if not prompts:
@@ -106,10 +106,7 @@ def run(args: argparse.Namespace) -> dict:
                 for server in (servers if r % 2 == 0 else servers[::-1]):
                     rows[server["server"], clients].append(_round(server["port"], batch, args.max_tokens))
     finally:
-        for server in servers:
-            if server["proc"] is not None:
-                server["proc"].terminate()
-                server["proc"].wait(30)
+        stop_servers(servers)
     table = []
     for (server, clients), runs in rows.items():
         firsts = [t for run in runs for t in run["first_token_s"] if t is not None]
