@@ -27,7 +27,6 @@ import runtime.tokenizer as tokenizer_module  # noqa: E402
 from edge_spec.manifest import load_manifest  # noqa: E402
 from runtime.api import Model  # noqa: E402
 from runtime.engine import EngineConfig  # noqa: E402
-from runtime.server import ServerConfig  # noqa: E402
 from runtime.tokenizer import BundleTokenizer, ChatTemplateError, TemplateLimitError  # noqa: E402
 from tests.test_server import KEY, request  # noqa: E402
 from tests.test_server_hardening import _serving_port, _wait_healthy, serving  # noqa: E402
