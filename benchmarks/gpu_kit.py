@@ -93,6 +93,9 @@ class KitConfig:
             raise ValueError(f"--xz-preset must be 0..9, got {self.xz_preset}")
 
 
+REHEARSAL_STEP_S = 1800  # one transfer's command here, the launcher included (about 90 s on 2 cores)
+
+
 def _run(args: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, cwd=cwd)
 
@@ -445,8 +448,11 @@ def rehearse(kit_dir: Path, tree: Path | None = None, transport: Transport | Non
                 break
             args = transfer["command"].split()[1:] + (["--provider", "cpu", *launch_args] if last else [])
             began = time.perf_counter()
-            proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=box,
-                                  env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+            try:
+                proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=box, timeout=REHEARSAL_STEP_S,
+                                      env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+            except subprocess.TimeoutExpired:  # a launcher that never ends is a breach, not a rehearsal that never ends
+                proc = subprocess.CompletedProcess(args, -9, "", f"still running after {REHEARSAL_STEP_S} s: killed")
             step.update(exit=proc.returncode, seconds_here=round(time.perf_counter() - began, 1),
                         said=(proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1:])
             if last and proc.returncode:

@@ -169,7 +169,7 @@ class Scheduler:
             raise ValueError(f"max_per_client must be an integer >= 1, or None, got {max_per_client!r}")
         if slots > 1:
             if engine.config.block_stable:
-                raise ValueError("batched decoding is not block-stable (README, \"Batched decoding\"): serve one "
+                raise ValueError("batched decoding is not block-stable (docs/batching.md): serve one "
                                  "sequence at a time (parallel 1) in block-stable mode")
             engine.batched(slots)  # the KV slots, allocated now: a bundle that cannot batch fails here
         self.engine = engine
@@ -208,6 +208,7 @@ class Scheduler:
         """The sequence joins the line; its chunks go to `sink`. RuntimeError (and the slot
         given back) on a thread that consumes a running stream of this scheduler: it would
         wait for itself."""
+        worker = None
         with self.cond:
             # A cancelled sequence ends at once, so it waits for nothing.
             if not sequence.cancelled and any(s.consumer == threading.get_ident() for s in self._running):
@@ -227,9 +228,12 @@ class Scheduler:
             sequence.state = WAITING
             self._line.append(sequence)
             if self._worker is None:
-                self._worker = threading.Thread(target=self._work, name=WORKER_NAME, daemon=True)
-                self._worker.start()
+                self._worker = worker = threading.Thread(target=self._work, name=WORKER_NAME, daemon=True)
             self.cond.notify_all()
+        if worker is not None:
+            # Started outside the lock: Thread.start waits for the new thread, and a collected handle's
+            # finalizer (drop, withdraw: they take the lock) may run in that thread before it counts as started.
+            worker.start()
 
     def cancel(self, sequence: Sequence) -> None:
         """A waiting sequence leaves the line now; a running one stops after its current pass."""

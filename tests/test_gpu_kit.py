@@ -222,7 +222,7 @@ def test_real_kit_rehearses_within_the_box_limits(tmp_path):
         assert run["greedy_identity"]["block_stable"]["layer-skip"]["identical"] == 2
         assert set(run["greedy_identity"]["block_stable"]) == {"layer-skip", "lookup", "auto"}
         (out / kit["pieces"][-1]["path"]).unlink()
-        proc = subprocess.run([sys.executable, str(out / "carry-1" / "launch.py"), "--provider", "cpu"], capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, str(out / "carry-1" / "launch.py"), "--provider", "cpu"], capture_output=True, text=True, timeout=900)
         assert proc.returncode == 2 and kit["pieces"][-1]["path"] in proc.stderr
         # The same bundle with rotary left out of its attention, carried with the right references: exit 1.
         from test_device_profiles import _rewritten
@@ -231,7 +231,7 @@ def test_real_kit_rehearses_within_the_box_limits(tmp_path):
         wrong = tree / "gpu-kit" / f"wrong-{tmp_path.name}"
         build(KitConfig(out=wrong, bundle=_rewritten(bundle, tmp_path / "wrong", ignore_rotary), prompts=HUMANEVAL_2, xz_preset=0),
               references=(out / "references", kit["reference"]))
-        proc = subprocess.run([sys.executable, str(wrong / "carry-1" / "launch.py"), "--provider", "cpu"], capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, str(wrong / "carry-1" / "launch.py"), "--provider", "cpu"], capture_output=True, text=True, timeout=900)
         assert proc.returncode == 1, proc.stderr[-2000:]
         assert "below the floor 0.97" in json.loads((wrong / "run" / "kit_run.json").read_text())["error"]
     finally:

@@ -262,3 +262,36 @@ def test_heap_calls_reach_glibc_here():
     if not sys.platform.startswith("linux"):
         pytest.skip("glibc's malloc_trim and mallopt exist on Linux only")
     assert heap.bound_arenas(8) and heap.release_free()
+
+
+def test_a_handle_collected_while_the_worker_starts_does_not_deadlock(monkeypatch):
+    """Thread.start waits until the new thread runs, and the garbage collector may run a collected
+    handle's finalizer (drop, which takes the scheduler's lock) in that thread before it does: the
+    worker must not be started under the lock. Found as a teardown that hung with every thread's
+    stack printed (faulthandler_timeout): start() holding the lock inside Thread.start, drop
+    waiting for it in the worker's bootstrap."""
+    import runtime.scheduler as scheduler_module
+
+    model, engine = scripted(max_queue=4)
+    orphan = model.submit(prompt_ids=[5, 1], max_tokens=1)._sequence  # admitted, never started: drop gives it back
+    real = threading.Thread
+
+    class FinalizerFirst(real):
+        def start(self):
+            if self.name != WORKER_NAME:
+                return super().start()
+            ran = threading.Event()
+
+            def bootstrap():
+                model._scheduler.drop(orphan)  # what a finalizer collected in the new thread does, first
+                ran.set()
+                self.run()
+
+            real(target=bootstrap, name=WORKER_NAME, daemon=True).start()
+            assert ran.wait(5), "the new thread's finalizer waited for the lock held by the thread starting it"
+
+    monkeypatch.setattr(scheduler_module.threading, "Thread", FinalizerFirst)
+    bounded(lambda: model.submit(prompt_ids=[1, 1], max_tokens=2).result())
+    assert model.queue_depth == 0 and not model.busy
+    # Its worker ends before the next test counts what workers do (the heap given back at a burst's end).
+    wait_until(lambda: not any(t.name == WORKER_NAME and t.is_alive() for t in threading.enumerate()), "the worker to end")
