@@ -18,6 +18,7 @@ python -m benchmarks mixed_load BUNDLE [--stalls 0,50] [--parallel 4] [--others 
 python -m benchmarks context_curve BUNDLE... [--kv-lens 128,512,1536] [--blocks 1,4] [--repeats 20] [--rounds 3] [--out FILE.json]
 python -m benchmarks batch_curve BUNDLE [--batch 1,2,4,8] [--kv-len 512] [--repeats 20] [--prompts SPEC] [--decode 64] [--out FILE.json]
 python -m benchmarks policy_trace BUNDLE --out FILE.json [--prompts SPEC] [--target-ms 10,1.5] [--draft-ms 2.5,0.4] | --compare A.json B.json
+python -m benchmarks code_ab BUNDLE --old CHECKOUT [--blocks 1,5] [--kv-len 512] [--repeats 20] [--rounds 8] [--out FILE.json]
 python -m benchmarks export_time MODEL --old CHECKOUT [--new CHECKOUT] [--repeats 2] [--out FILE.json] [-- EXPORT ARGS]
 python -m benchmarks summary DIR... (summary.json from each DIR/results.json of `python -m benchmarks bench`)"""
 
@@ -161,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.policy_trace import main as policy_trace
 
         return policy_trace(argv[1:])
+    if argv[:1] == ["code_ab"]:
+        from benchmarks.code_ab import main as code_ab
+
+        return code_ab(argv[1:])
     if argv[:1] == ["export_time"]:
         from benchmarks.export_time import main as export_time
 

@@ -43,14 +43,16 @@ def trace(bundle: str, prompts: list[dict], drafter: str, max_new_tokens: int, t
 
     now = [0.0]
     engine = Engine(bundle, EngineConfig(provider="cpu", drafter=drafter, calibrate=False))
-    target, forward = engine.target, model.ModelRunner.forward
+    # Every pass: `score` where the pass contract has it (forward and prefill go through it), else `forward`.
+    method = "score" if hasattr(model.ModelRunner, "score") else "forward"
+    target, passes = engine.target, getattr(model.ModelRunner, method)
 
-    def timed(runner, token_ids, *args, **kwargs):
+    def timed(runner, tokens, *args, **kwargs):
         fixed, per_row = target_s if runner is target else draft_s
-        now[0] += fixed + per_row * len(token_ids)
-        return forward(runner, token_ids, *args, **kwargs)
+        now[0] += fixed + per_row * len(getattr(tokens, "tokens", tokens))
+        return passes(runner, tokens, *args, **kwargs)
 
-    model.ModelRunner.forward = timed
+    setattr(model.ModelRunner, method, timed)
     try:
         rounds = {}
         for prompt in prompts:
@@ -66,7 +68,7 @@ def trace(bundle: str, prompts: list[dict], drafter: str, max_new_tokens: int, t
             rounds[prompt["id"]] = played
         return rounds
     finally:
-        model.ModelRunner.forward = forward
+        setattr(model.ModelRunner, method, passes)
 
 
 def compare(a: dict, b: dict) -> dict:

@@ -24,7 +24,8 @@ class KVCache:
     Invariant: for every layer, rows [0, kv_len) hold the keys and values of the tokens
     `row_tokens[:kv_len]`, computed at those positions; rows from kv_len on are stale and
     every graph masks them, so rolling back is only moving kv_len. After `rollback_to_prefix`
-    the rows are a prefix of the committed sequence. A writer may fill rows past kv_len for
+    the rows are a prefix of the committed sequence; `keep` keeps any ascending rows (a tree's
+    accepted path), moved into place. A writer may fill rows past kv_len for
     some layers (a layer-skip draft) before `extend` covers them for all layers.
     """
 
@@ -153,8 +154,28 @@ class KVCache:
         n = min(self.kv_len, len(committed))
         committed = np.asarray(committed[:n], dtype=np.int64)
         mismatch = np.flatnonzero(self.row_tokens[:n] != committed)
-        self.kv_len = int(mismatch[0]) if mismatch.size else n
+        self.keep(range(int(mismatch[0]) if mismatch.size else n))
         return self.kv_len
+
+    def keep(self, rows: Sequence[int]) -> None:
+        """Keep `rows` (ascending, each below kv_len) as rows 0..len(rows)-1 and drop the rest:
+        a prefix only moves kv_len; another row (a tree's accepted path) is copied down into
+        place in every layer, its token with it."""
+        if isinstance(rows, range) and rows.start == 0 and rows.step == 1 and rows.stop <= self.kv_len:
+            self.kv_len = max(rows.stop, 0)
+            return
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.size and (rows[0] < 0 or rows[-1] >= self.kv_len or np.any(np.diff(rows) <= 0)):
+            raise ValueError(f"keep takes ascending rows below {self.kv_len}, got {rows.tolist()}")
+        moved = np.flatnonzero(rows != np.arange(rows.size))
+        if moved.size:
+            if self.device is not None:
+                raise RuntimeError(f"KV rows on {self.device} are kept as a prefix only, not rows {rows.tolist()}")
+            for buffers in (self.keys, self.values):
+                for layer in self.layers:
+                    buffers[layer][:, :, moved] = buffers[layer][:, :, rows[moved]]  # each source row lies at or after its target
+            self.row_tokens[moved] = self.row_tokens[rows[moved]]
+        self.kv_len = int(rows.size)
 
     def reset(self) -> None:
         self.kv_len = 0

@@ -7,6 +7,7 @@ import numpy as np
 from edge_spec import names
 from edge_spec.manifest import ModelInfo, StageInfo
 from runtime.kv_cache import KVCache
+from runtime.passes import Block, CacheRows, Scored
 
 
 def full_vocab_logits(trimmed: np.ndarray, head_tokens: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -17,7 +18,17 @@ def full_vocab_logits(trimmed: np.ndarray, head_tokens: np.ndarray, vocab_size: 
     return full
 
 
-class ModelRunner:
+def tree_feeds(tree: Block, start: int, capacity: int) -> dict[str, np.ndarray]:
+    """A masked graph's positions and mask for a tree block after `start` kept rows: each token at
+    its own position (its path's length), seeing the kept rows, itself and its ancestors."""
+    rows = len(tree.tokens)
+    bias = np.full((rows, capacity + rows), names.MASKED, dtype=np.float32)  # [T, P+T]
+    bias[:, :start] = 0.0
+    bias[:, capacity:][tree.visible()] = 0.0
+    return {names.POSITION_IDS: tree.positions.astype(np.int64), names.ATTENTION_BIAS: bias}
+
+
+class ModelRunner(CacheRows):
     """Runs a role's stages (embed ... head) on a block at position cache.kv_len.
 
     Sessions are shared between roles (a layer-skip draft runs the target's trunk and head
@@ -82,14 +93,17 @@ class ModelRunner:
             binding.bind_ortvalue_output(names.present_value(layer), value)
         return binding
 
-    def run_stage(self, index: int, x, start: int, logit_positions: np.ndarray | None = None):
+    def run_stage(self, index: int, x, start: int, logit_positions: np.ndarray | None = None, tree: Block | None = None):
         """Run stage `index` on x (ids [1,T] or hidden [1,T,H]) at position `start`, write its
         KV rows, and return its first output (hidden [1,T,H] or logits [1,N,V]). On a device
-        (self.device) a hidden state comes and goes as a device OrtValue; `to_host` reads one."""
+        (self.device) a hidden state comes and goes as a device OrtValue; `to_host` reads one.
+        tree: a block that is not a chain, its positions and ancestry fed (masked graphs)."""
         stage = self.stages[index]
         binding = self._bindings[index]
         rows = x.shape[1] if isinstance(x, np.ndarray) else x.shape()[1]  # an OrtValue's shape is a method
         positions = names.position_feeds(self._input_names[index], start, rows, self.cache.capacity)
+        if tree is not None and names.POSITION_IDS in positions:
+            positions.update(tree_feeds(tree, start, self.cache.capacity))
         if self._float16_bias[index]:
             positions[names.ATTENTION_BIAS] = np.maximum(positions[names.ATTENTION_BIAS], np.finfo(np.float16).min).astype(np.float16)
         if binding is not None:
@@ -120,38 +134,64 @@ class ModelRunner:
             self.cache.write_rows(stage.layers, outputs[1:], start)
         return outputs[0]
 
-    def forward(self, token_ids, n_logits: int | None = None, trunk_hidden: np.ndarray | None = None) -> np.ndarray:
-        """Feed token_ids [T] after the cache's kv_len; returns logits [N, V] for the last N
-        positions (all T by default) and extends the cache by T rows.
+    # The pass contract (runtime/passes.py); kept, keep and keep_prefix come from CacheRows.
 
-        trunk_hidden [1,P,H]: the first stage's output for token_ids[:P], already computed
-        (and its KV rows written) by a layer-skip draft, so the first stage runs only the rest.
+    def hidden_layers(self) -> tuple[int, ...]:
+        """The residual stream after each stage but the last: what a stage boundary hands on."""
+        return tuple(stage.layers.stop - 1 for stage in self.stages[:-1] if stage.layers)
+
+    def trees(self) -> bool:
+        """Whether a pass takes a tree block: every layered stage is fed positions and a mask."""
+        return all(names.POSITION_IDS in inputs for stage, inputs in zip(self.stages, self._input_names) if stage.layers)
+
+    def score(self, block: Block, trunk_hidden: np.ndarray | None = None) -> Scored:
+        """One pass over `block` after the kept rows (runtime/passes.py): its KV rows written
+        after them and kept, logits for its last n_logits rows, the hidden states it asks for.
+
+        trunk_hidden [1,P,H]: the first stage's output for the block's first P tokens, already
+        computed (and their KV rows written) by a layer-skip draft, so the first stage runs only the rest.
         """
-        token_ids = np.asarray(token_ids, dtype=np.int64)
-        block = len(token_ids)
         start = self.cache.kv_len
-        self.cache.check_room(start, block)
-        n_logits = block if n_logits is None else n_logits
-        logit_positions = np.arange(block - n_logits, block, dtype=np.int64)
-        # A padded row (the last token again) is computed and dropped; at the context's end there is no room for it.
-        pad = min(max(self.min_rows - block, 0), self.cache.max_context - start - block)
+        size = len(block.tokens)
+        if block.positions[0] != start:
+            raise ValueError(f"the block starts at position {int(block.positions[0])}, after {start} kept rows")
+        tree = None if block.is_chain else block
+        if tree is not None and not self.trees():
+            raise ValueError(f"the {self.role}'s graphs take a chain only (a tree needs positions and a mask fed: --attention masked)")
+        missing = sorted(set(block.hidden) - set(self.hidden_layers())) if block.hidden else ()
+        if missing:
+            raise ValueError(f"the {self.role} returns the outputs of layers {list(self.hidden_layers())}, not {missing}")
+        self.cache.check_room(start, size)
+        logit_positions = np.arange(size - block.n_logits, size, dtype=np.int64)
+        token_ids = block.tokens
+        # A padded row (the last token again, after it) is computed and dropped; at the context's end there is no room for it.
+        pad = min(max(self.min_rows - size, 0), self.cache.max_context - start - size)
         if self.min_rows > 1:
             trunk_hidden = None  # a layer-skip draft computed those trunk rows in 1-row passes
             token_ids = np.concatenate([token_ids, np.repeat(token_ids[-1:], pad)])
+            if pad and tree is not None:
+                tree = Block(token_ids, np.append(tree.positions, tree.positions[-1] + 1), np.append(tree.parents, size - 1), block.n_logits)
         self.cache.fit(start + len(token_ids))  # the rows this pass writes, padding included
         n_trunk_done = 0 if trunk_hidden is None else trunk_hidden.shape[1]
         x = token_ids[None, n_trunk_done:]
+        hidden = {}
         self.copies["passes"] += 1
-        for index in range(len(self.stages)):
+        for index, stage in enumerate(self.stages):
             if index == 0 and n_trunk_done:
                 x = np.concatenate([trunk_hidden, self.to_host(self.run_stage(0, x, start + n_trunk_done))], axis=1)  # [1,T,H]
             else:
-                x = self.run_stage(index, x, start, logit_positions)
+                x = self.run_stage(index, x, start, logit_positions, tree)
+            if stage.layers and stage.layers.stop - 1 in block.hidden:
+                hidden[stage.layers.stop - 1] = self.to_host(x)[0, :size]  # [T,H]
         self.cache.extend(token_ids)
-        self.cache.kv_len -= len(token_ids) - block
-        if self.head_tokens is not None:
-            return full_vocab_logits(x[0], self.head_tokens, self.vocab_size)  # [N,V]
-        return x[0]  # [N,V]
+        self.cache.kv_len -= len(token_ids) - size
+        logits = x[0] if self.head_tokens is None else full_vocab_logits(x[0], self.head_tokens, self.vocab_size)  # [N,V]
+        return Scored(logits, hidden)
+
+    def forward(self, token_ids, n_logits: int | None = None, trunk_hidden: np.ndarray | None = None) -> np.ndarray:
+        """Feed token_ids [T] after the cache's kv_len as a chain; returns logits [N, V] for the
+        last N positions (all T by default) and extends the cache by T rows."""
+        return self.score(Block.chain(token_ids, self.cache.kv_len, n_logits), trunk_hidden).logits
 
     def to_host(self, x) -> np.ndarray:
         """A stage's output as a numpy array: a device OrtValue is copied back (and counted)."""
@@ -160,8 +200,12 @@ class ModelRunner:
         self.copies["hidden_to_host"] += 1
         return x.numpy()
 
-    def prefill(self, token_ids, chunk: int = 256) -> None:
+    def prefill(self, token_ids, chunk: int = 256, hidden: tuple[int, ...] = ()) -> dict[int, np.ndarray] | None:
         """Feed a long prompt in chunks (bounded activation memory) without asking for logits
-        beyond the last position of each chunk."""
-        for begin in range(0, len(token_ids), chunk):
-            self.forward(token_ids[begin : begin + chunk], n_logits=1)
+        beyond the last position of each chunk; returns the `hidden` layers' outputs of every
+        row fed ([T,H] each), None when none were asked or nothing was fed."""
+        parts = [self.score(Block.chain(token_ids[begin : begin + chunk], self.cache.kv_len, 1, hidden)).hidden
+                 for begin in range(0, len(token_ids), chunk)]
+        if not hidden or not parts:
+            return None
+        return {layer: np.concatenate([part[layer] for part in parts]) for layer in hidden}

@@ -242,12 +242,12 @@ def test_cancel_a_running_generation(model):
     # The worker thread decodes ahead of the consumer; slow the target down so that 40 tokens
     # take far longer than it takes to leave.
     runner = model.engine.target
-    original = runner.forward
-    runner.forward = lambda *args, **kwargs: (time.sleep(0.03), original(*args, **kwargs))[1]
+    original = runner.score
+    runner.score = lambda *args, **kwargs: (time.sleep(0.03), original(*args, **kwargs))[1]
     try:
         job = asyncio.run(leave_early())
     finally:
-        del runner.forward
+        del runner.score
     assert job.final.stop_reason == "cancelled" and not model.busy
     assert len(job.final.token_ids) < 40
     assert model.generate("the cat", max_tokens=4).stop_reason in ("length", "eos")

@@ -104,7 +104,7 @@ def test_a_long_prompt_enters_beside_a_running_sequence_in_priced_chunks(bundles
     expected = [solo.generate(p, config).token_ids for p in (PROMPTS[0], long_prompt)]
     fed = []
     prefill = model.ModelRunner.prefill
-    monkeypatch.setattr(model.ModelRunner, "prefill", lambda runner, ids, chunk=256: (fed.append(len(ids)), prefill(runner, ids, chunk))[1])
+    monkeypatch.setattr(model.ModelRunner, "prefill", lambda runner, ids, chunk=256, **kw: (fed.append(len(ids)), prefill(runner, ids, chunk, **kw))[1])
     for stall, most in ((1e-3, 8), (None, len(long_prompt) - 1)):
         engine = Engine(bundles["llama"], EngineConfig(drafter="none", calibrate=False, prefill_stall_ms=stall))
         engine.batched(2)  # both slots from the start, as the Scheduler allocates them

@@ -10,6 +10,7 @@ from runtime.drafters.draft_model import DraftModelDrafter
 from runtime.gamma import GammaConfig
 from runtime.kv_cache import KVCache
 from runtime.loop import decode_steps
+from runtime.passes import CacheRows, Scored
 from runtime.policy import RoundPolicy
 
 PIECES = ["a", "b", "c", "END", "xa", "yz"]
@@ -46,7 +47,7 @@ def test_a_stop_string_that_began_in_earlier_text_cuts_there():
     assert (result.text, result.piece, result.stop_reason) == ("x", "", "stop")
 
 
-class CountingRunner:
+class CountingRunner(CacheRows):
     """Logits from the last token only; every pass advances a fake clock by 1 + 0.5 s/token."""
 
     def __init__(self, clock, vocab=8):
@@ -60,7 +61,10 @@ class CountingRunner:
         self.cache.extend(token_ids)
         return rows[len(rows) - (len(rows) if n_logits is None else n_logits) :]
 
-    def prefill(self, token_ids, chunk=256):
+    def score(self, block, trunk_hidden=None):
+        return Scored(self.forward(block.tokens, block.n_logits))
+
+    def prefill(self, token_ids, chunk=256, hidden=()):
         if len(token_ids):
             self.forward(token_ids, n_logits=1)
 

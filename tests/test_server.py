@@ -159,19 +159,19 @@ def in_thread(model: Model, key: str | None = KEY):
 
 @contextmanager
 def slow_target(model: Model, seconds: float):
-    """Every target pass takes at least `seconds` longer (an instance attribute shadows forward)."""
+    """Every target pass takes at least `seconds` longer (an instance attribute shadows score)."""
     runner = model.engine.target
-    original = runner.forward
+    original = runner.score
 
     def slow(*args, **kwargs):
         time.sleep(seconds)
         return original(*args, **kwargs)
 
-    runner.forward = slow
+    runner.score = slow
     try:
         yield
     finally:
-        del runner.forward
+        del runner.score
 
 
 def wait_until(condition, timeout: float, what: str) -> float:
@@ -624,7 +624,7 @@ def test_engine_failure_is_a_500_and_the_server_keeps_serving(steerable, clean):
     def broken(*args, **kwargs):
         raise RuntimeError("simulated device failure")
 
-    runner.forward = broken
+    runner.score = broken
     try:
         client = steerable.client()
         with pytest.raises(openai.InternalServerError) as info:
@@ -633,7 +633,7 @@ def test_engine_failure_is_a_500_and_the_server_keeps_serving(steerable, clean):
         with pytest.raises(openai.APIError):  # mid-stream: an error event in the stream
             list(client.completions.create(model=steerable.model_id, prompt=prompt, max_tokens=8, temperature=0, stream=True))
     finally:
-        del runner.forward
+        del runner.score
     assert not model.busy and model.queue_depth == 0
     r = steerable.client().completions.create(model=steerable.model_id, prompt=prompt, max_tokens=16, temperature=0)
     assert r.choices[0].text == text

@@ -425,11 +425,11 @@ def test_api_key_file_with_several_keys_end_to_end(llama_bundle, tmp_path):
 _SLOW_SERVE = """
 import sys, time
 from runtime.model import ModelRunner
-forward = ModelRunner.forward
+score = ModelRunner.score
 def slow(self, *args, **kwargs):
     time.sleep(0.25)
-    return forward(self, *args, **kwargs)
-ModelRunner.forward = slow
+    return score(self, *args, **kwargs)
+ModelRunner.score = slow
 from runtime.__main__ import main
 sys.exit(main(sys.argv[1:]))
 """

@@ -49,6 +49,7 @@ import numpy as np  # noqa: E402
 
 from edge_spec.sampling import SamplingConfig, process_logits, sample  # noqa: E402
 from edge_spec.verify import verify_deterministic, verify_greedy, verify_stochastic  # noqa: E402
+from runtime.passes import CacheRows, Scored  # noqa: E402
 
 
 def bundle_builders():
@@ -367,7 +368,7 @@ def cost_model_traces() -> list[dict]:
     return cases
 
 
-class FakeRunner:
+class FakeRunner(CacheRows):
     """A stand-in ModelRunner without weights: logits [V] are a fixed function of the tokens
     before each position (numpy-seeded from their hash), read from the cache's row tokens, so
     a rollback that keeps a wrong row asks for a prefix Python never did. Every row served is
@@ -408,7 +409,12 @@ class FakeRunner:
         n = len(token_ids) if n_logits is None else n_logits
         return np.stack(rows[len(rows) - n :])
 
-    def prefill(self, token_ids, chunk: int = 256) -> None:
+    def score(self, block, trunk_hidden=None) -> Scored:
+        """The pass contract (runtime/passes.py) on chains: what the loop calls."""
+        assert block.is_chain and block.positions[0] == self.kept and not block.hidden
+        return Scored(self.forward(block.tokens, block.n_logits, trunk_hidden))
+
+    def prefill(self, token_ids, chunk: int = 256, hidden=()) -> None:
         for begin in range(0, len(token_ids), chunk):
             self.forward(token_ids[begin : begin + chunk], n_logits=1)
 
@@ -656,10 +662,10 @@ def fake_stage_time(clock: RecordingClock):
 
     original = ModelRunner.run_stage
 
-    def timed(self, index, x, start, logit_positions=None):
+    def timed(self, index, x, start, *args, **kwargs):
         fixed, per_token = STAGE_COST[self.role]
         clock.advance(fixed + per_token * x.shape[1])
-        return original(self, index, x, start, logit_positions)
+        return original(self, index, x, start, *args, **kwargs)
 
     ModelRunner.run_stage = timed
     try:

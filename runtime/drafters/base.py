@@ -5,9 +5,11 @@ a capability on `Drafter` with a default the others keep, so the loop, policy an
 ask the drafter rather than its type: `costs_passes` (drafting runs model passes, which the cost
 model prices), `catches_up` with `replay_tokens` (a draft model with its own cache replays what
 it missed before it drafts), `parts` / `candidates` (a mixed drafter picks one of its parts per
-round), `forget` (it keeps what earlier sequences said, to copy from: the suffix cache). The
-bases `CostsPasses`, `CatchesUp` and `Selects` set them; a proposal's `trunk_hidden` (layer
-skip) and catch-up fields (a draft model) default to nothing.
+round), `forget` (it keeps what earlier sequences said, to copy from: the suffix cache),
+`reads_hidden` with `seen` (it drafts from the target's features: the target's passes return
+those layers' outputs and the drafter is shown the rows each kept, as llama.cpp's drafters see
+each target batch). The bases `CostsPasses`, `CatchesUp` and `Selects` set them; a proposal's
+`trunk_hidden` (layer skip) and catch-up fields (a draft model) default to nothing.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class Drafter(ABC):
     name: str
     costs_passes = False  # drafting runs model passes: the cost model times its steps
     catches_up = False  # it must feed itself what it missed before drafting (replay_tokens)
+    reads_hidden: tuple[int, ...] = ()  # the target's layers whose outputs it drafts from
 
     @abstractmethod
     def propose(self, tokens: np.ndarray, gamma: int, sampling: SamplingConfig, rng: np.random.Generator) -> Proposal | None:
@@ -72,6 +75,11 @@ class Drafter(ABC):
         (so a repeated prompt prefix is not fed again). prefill: a drafter that catches up feeds
         itself `tokens` now (timed as prefill); else it does so in the first round it drafts,
         where the policy prices that as replay."""
+
+    def seen(self, first_row: int, hidden: dict[int, np.ndarray]) -> None:
+        """The target kept rows first_row.. with these outputs of its reads_hidden layers
+        ([rows, H] each): the prompt's after prefill, then each round's pending and accepted
+        tokens. Only a drafter that reads hidden states is told."""
 
     def evidence(self, tokens: np.ndarray) -> int:
         """The class of situation a round after `tokens` drafts in, when acceptance differs by
@@ -141,6 +149,11 @@ class Selects(Drafter):
 def parts(drafter: Drafter | None) -> list[Drafter]:
     """The drafters a round can draft with: a mixed drafter's parts, else the drafter itself."""
     return [] if drafter is None else drafter.parts()
+
+
+def reads_hidden(drafter: Drafter | None) -> tuple[int, ...]:
+    """The target layers any part of `drafter` reads: every pass returns them, whichever part drafts."""
+    return tuple(sorted({layer for part in parts(drafter) for layer in part.reads_hidden}))
 
 
 def use_clock(drafter: Drafter | None, clock) -> None:

@@ -31,6 +31,11 @@ class MixedDrafter(Selects):
         for part in self.parts():
             part.accepted(tokens, n_accepted)
 
+    def seen(self, first_row, hidden):
+        for part in self.parts():
+            if part.reads_hidden:
+                part.seen(first_row, {layer: hidden[layer] for layer in part.reads_hidden})
+
     def reset(self, tokens=(), prefill=True):
         for part in self.parts():
             part.reset(tokens, prefill)
