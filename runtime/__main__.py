@@ -202,17 +202,17 @@ def _prompt_args(parser: argparse.ArgumentParser) -> None:
     _request_args(parser, "temperature", "top_k", "top_p")
 
 
-def _engine(args):
-    from runtime.engine import Engine, EngineConfig
+def _engine_config(args):
+    """The EngineConfig the command runs with: every check before loading reads it, not args."""
+    from runtime.engine import EngineConfig
 
-    gamma = None if args.gamma == "auto" else int(args.gamma)
-    config = EngineConfig(
+    return EngineConfig(
         provider=args.provider,
         draft_provider=args.draft_provider,
         threads=args.threads,
         drafter=args.draft,
-        gamma=gamma,
-        max_gamma=max(args.max_gamma, gamma or 0),
+        gamma=None if args.gamma == "auto" else int(args.gamma),
+        max_gamma=args.max_gamma,
         allow_fallback=args.allow_fallback,
         device_id=args.device_id,
         coreml_compute_units=args.coreml_compute_units,
@@ -222,7 +222,12 @@ def _engine(args):
         bundle_sha256=args.bundle_sha256, suffix_cache=getattr(args, "suffix_cache", "per-client"),
         prefill_stall_ms=_stall(getattr(args, "prefill_stall_ms", 50.0)),
     )
-    engine = Engine(args.bundle, config)
+
+
+def _engine(args):
+    from runtime.engine import Engine
+
+    engine = Engine(args.bundle, _engine_config(args))
     print(engine.provider_line(), file=sys.stderr, flush=True)
     for warning in engine.warnings:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
@@ -328,16 +333,17 @@ def cmd_serve(args) -> int:
 
     from runtime.server import ServerConfig, check_api_keys, read_api_key_file
 
-    # Everything is checked before the (slow) load.
+    # Everything is checked before the (slow) load, on the config the engine will run with.
+    engine_config = _engine_config(args)
     if args.parallel > 1 and args.block_stable:
         raise ValueError("--parallel above 1 is not block-stable (a batched pass computes one row per sequence, block-stable "
-                         "passes two; README, Batched decoding): drop one of them")
+                         "passes two; docs/batching.md): drop one of them")
     if args.parallel > 1 and args.memory_budget is not None:
         from edge_spec.budget import check_parallel
         from runtime.bundle import open_bundle
 
         bundle = open_bundle(args.bundle, check_hashes=False)
-        check_parallel(bundle.manifest, bundle.path, args.draft, args.memory_budget, args.parallel, args.max_gamma)
+        check_parallel(bundle.manifest, bundle.path, args.draft, args.memory_budget, args.parallel, engine_config.max_gamma)
     keys = []
     if args.api_key is not None:
         keys.append(args.api_key)
@@ -501,7 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--parallel", type=_integer(1, 256), default=1,
                        help="requests decoding at once (default 1): above 1, those decoding plainly (--draft none, or a request's "
                        "speculation drafter none) share each target pass, one KV slot each; a request with a drafter decodes "
-                       "beside them, one at a time (README, Batched decoding)")
+                       "beside them, one at a time (docs/batching.md)")
     serve.add_argument("--max-per-client", type=_integer(1), metavar="N",
                        help="requests one client (its API key and `user` field, else its address) may have running or waiting; "
                        "more get 429 (default: half of --parallel plus --max-queue, at least --parallel)")

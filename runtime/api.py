@@ -304,7 +304,7 @@ class Model:
         _check_queue_settings(max_queue, queue_timeout, stream_idle_timeout, max_per_client)  # before the (slow) load
         config = engine_config or EngineConfig(
             provider=provider, threads=threads, drafter=drafter, gamma=gamma,
-            max_gamma=max(max_gamma, gamma or 0), allow_fallback=allow_fallback,
+            max_gamma=max_gamma, allow_fallback=allow_fallback,
         )
         if bundle_sha256 is not None:
             config = dataclasses.replace(config, bundle_sha256=bundle_sha256)

@@ -116,6 +116,9 @@ class EngineConfig(LoadConfig):
     prefill_stall_ms: float | None = 50.0
 
     def __post_init__(self):
+        if isinstance(self.gamma, int) and not isinstance(self.gamma, bool) and isinstance(self.max_gamma, int) and self.gamma > self.max_gamma:
+            # A fixed γ above the cap raises the cap, here once: the memory plan then counts the blocks the engine runs.
+            object.__setattr__(self, "max_gamma", self.gamma)
         super().__post_init__()
         stall = self.prefill_stall_ms
         if stall is not None and (isinstance(stall, bool) or not isinstance(stall, (int, float)) or not 0 < stall < float("inf")):
@@ -438,7 +441,7 @@ class Engine:
         here, and its result says so (speculation["drafter"] "none", "asked" the drafter)."""
         if self.config.block_stable:
             raise ValueError("batched decoding is not block-stable: a batched pass computes one row per sequence, where "
-                             "block-stable passes compute two (README, \"Batched decoding\")")
+                             "block-stable passes compute two (docs/batching.md)")
         prompt_ids = self.check_prompt(prompt_ids)
         self.check_speculation(config.speculation)
         speculation = config.speculation
@@ -536,7 +539,7 @@ class Engine:
         """Several prompts decoded at once (advance_slots): one target pass feeds every unfinished
         sequence its next token (runtime/batch.py), each sequence with its own settings and
         seed, so each one's tokens are distributed as its solo decoding's (token for token the
-        same where the batched row equals the 1-row pass's; README, "Batched decoding").
+        same where the batched row equals the 1-row pass's; docs/batching.md).
         config: one for all, or one per prompt; a config without `speculation` decodes plainly,
         one that names a drafter speculates while it holds the Engine's drafter and that pays."""
         configs = list(config) if isinstance(config, (list, tuple)) else [config] * len(prompts)

@@ -60,12 +60,19 @@ class Plan:
     whole_replay: bool = False  # a probe no later round carries: the ledger holds all of its replay, not a share
     draft_step_s: float = 0.0  # the seconds of a draft step the choice assumed
     replay_s: float = 0.0  # the seconds of replay before drafting the choice assumed
+    # What the round, once observed, does to its part's probe schedule (ProbeSchedule.follow): "speculating"
+    # (drafted on its merit), "sat_out" (a plain step counted toward the next probe), "probe", or "" (nothing).
+    schedule: str = ""
 
     def __post_init__(self):
         if self.gamma < 0:
             raise ValueError(f"a plan's gamma must be >= 0, got {self.gamma}")
         if self.whole_replay and not self.probe:
             raise ValueError("only a probe holds its replay whole")
+        if self.probe and not self.schedule:
+            object.__setattr__(self, "schedule", "probe")  # a probe moves the schedule as one, however it was made
+        if self.schedule not in ("", "speculating", "sat_out", "probe") or (self.schedule == "probe") != self.probe:
+            raise ValueError(f"a plan's schedule is '', 'speculating', 'sat_out' or 'probe' (for a probe only), got {self.schedule!r}")
 
 
 class AlphaEstimate:
@@ -115,14 +122,26 @@ class ProbeSchedule:
         self.gap = self.config.probe_first
         self.failed = 0
 
-    def sit_out(self) -> bool:
-        """Count a plain step; True when a probe is due."""
+    def due(self) -> bool:
+        """Whether a probe is due if the next round is a plain step (counted by sit_out)."""
+        return self.plain_steps + 1 >= self.gap and self.failed < self.config.max_failed_probes
+
+    def sit_out(self) -> None:
+        """Count a plain step."""
         self.plain_steps += 1
-        return self.plain_steps >= self.gap and self.failed < self.config.max_failed_probes
 
     def probe(self) -> None:
         self.plain_steps = 0
         self.gap = min(2 * self.gap, self.config.probe_every)
+
+    def follow(self, schedule: str) -> None:
+        """A round chosen with Plan.schedule was played: the schedule moves as the plan said."""
+        if schedule == "speculating":
+            self.speculating()
+        elif schedule == "sat_out":
+            self.sit_out()
+        elif schedule == "probe":
+            self.probe()
 
     def outcome(self, n_drafted: int, n_accepted: int) -> None:
         """A probe's outcome: it fails when the target rejects a drafted token; one accepted in
@@ -188,12 +207,14 @@ class PartPolicy:
         self.start()
 
     def estimate(self, evidence: int = 0) -> AlphaEstimate:
+        """The class's estimate, made from the prior on its first outcome (update)."""
         if evidence not in self.estimates:
             self.estimates[evidence] = AlphaEstimate(self.prior_alpha, self.config.decay)
         return self.estimates[evidence]
 
     def alpha(self, evidence: int = 0) -> float:
-        return self.estimate(evidence).value
+        known = self.estimates.get(evidence)  # read without making one: choosing changes nothing
+        return (known if known is not None else AlphaEstimate(self.prior_alpha, self.config.decay)).value
 
     def start(self, horizon_tokens: int = 256) -> None:
         """A new sequence of up to horizon_tokens: probe soon again (α carries over as a prior,
@@ -247,7 +268,9 @@ class PartPolicy:
         drafter missed before it can draft (a draft model after plain or copy rounds), and the
         round's evidence class. Only a γ whose worst case the ledger can afford is considered:
         a long first round on a prior carried over from other text must not spend the whole
-        sequence's room at once."""
+        sequence's room at once. It changes nothing: what the plan does to the probe schedule
+        travels in Plan.schedule and happens when the round is observed (a plan dropped unplayed,
+        as a batched step may, moves nothing)."""
         assumed = dict(evidence=evidence, draft_step_s=draft_step_cost, replay_s=replay_seconds)
         if self.config.fixed is not None:
             return Plan(gamma=self.config.fixed, **assumed)
@@ -257,9 +280,8 @@ class PartPolicy:
             return Plan(**assumed)
         best = max(gains, key=lambda g: gains[g])  # the first of equals: the shortest
         if gains[best] >= self.config.min_gain:
-            self.probes.speculating()
-            return Plan(gamma=best, **assumed)
-        if self.probes.sit_out():
+            return Plan(gamma=best, schedule="speculating", **assumed)
+        if self.probes.due():
             # Conditions change (a code block starts, say): draft once to refresh α. Its replay
             # is carried by later rounds only if the model, once caught up, would draft on its
             # merit; otherwise the probe buys only information and must afford its replay whole
@@ -269,9 +291,12 @@ class PartPolicy:
             room = self.ledger.room()
             probes = [g for g in affordable if self.worst_loss(g, draft_step_cost, replay_seconds, whole) <= room]
             if probes:
-                self.probes.probe()
-                return Plan(gamma=max(probes, key=lambda g: gains[g]), probe=True, whole_replay=whole, **assumed)
-        return Plan(**assumed)
+                return Plan(gamma=max(probes, key=lambda g: gains[g]), probe=True, whole_replay=whole, schedule="probe", **assumed)
+        return Plan(schedule="sat_out", **assumed)
+
+    def follow(self, plan: Plan) -> None:
+        """A round chosen by this part was played (drafted or not): its probe schedule moves as the plan says."""
+        self.probes.follow(plan.schedule)
 
     def update(self, plan: Plan, n_drafted: int, n_accepted: int) -> None:
         """The outcome of a round this drafter drafted on `plan` (nothing drafted: no information):
@@ -359,9 +384,11 @@ class RoundPolicy:
 
     def observe(self, plan: Plan, done: Round) -> None:
         """Learn from a finished round, drafted on `plan` (what choose returned for it): the
-        verify pass's cost, and for a drafted round its drafter's α, probe outcome, ledger entry
-        and draft and replay costs."""
+        verify pass's cost, the probe schedule of the part it was planned for, and for a drafted
+        round its drafter's α, probe outcome, ledger entry and draft and replay costs."""
         self.costs.record_target(done.n_drafted + 1, done.target_s)
+        if plan.drafter is not None and plan.drafter.name in self.parts:
+            self.parts[plan.drafter.name].follow(plan)
         if done.n_drafted:
             self.parts[done.drafter].observe(plan, done)
             if done.drafter in self._priced:

@@ -459,3 +459,27 @@ def test_export_bad_budget_string(tiny_models, tmp_path):
     with contextlib.redirect_stderr(stderr), pytest.raises(SystemExit) as exit_:
         main([str(tiny_models.llama), "--out", str(tmp_path / "b"), "--memory-budget", "3 GBs"])
     assert exit_.value.code == 2 and "unknown unit 'GBs'" in stderr.getvalue()
+
+
+def test_serve_parallel_plans_memory_with_the_gamma_the_engine_runs(llama_bundle, monkeypatch):
+    """γ declared once: `serve --parallel` checks memory before loading for the max_gamma its engine
+    will run (a fixed --gamma above --max-gamma raises it), not for --max-gamma as typed."""
+    import runtime.engine
+    from runtime import __main__ as cli
+
+    seen = {}
+
+    class Loaded(Exception):
+        pass
+
+    class Engine:
+        def __init__(self, bundle, config):
+            seen["runs"] = config.max_gamma
+            raise Loaded
+
+    monkeypatch.setattr(budget, "check_parallel", lambda *args: seen.setdefault("planned", args[-1]))
+    monkeypatch.setattr(runtime.engine, "Engine", Engine)
+    with pytest.raises(Loaded):
+        cli.main(["serve", str(llama_bundle), "--parallel", "2", "--memory-budget", "64GB", "--gamma", "12", "--max-gamma", "8",
+                  "--draft", "layer-skip", "--port", "0"])
+    assert seen == {"planned": 12, "runs": 12}

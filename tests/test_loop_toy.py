@@ -23,6 +23,7 @@ from runtime.gamma import CostModel, GammaConfig
 from runtime.kv_cache import KVCache
 from runtime.loop import decode_steps
 from runtime.drafters.prompt_lookup import PromptLookupDrafter, match_class
+from runtime.passes import CacheRows, Scored
 from runtime.policy import PartPolicy, Plan, Round, RoundPolicy
 
 VOCAB = 50
@@ -49,8 +50,9 @@ class ToyLM:
         return tokens[len(prompt) :]
 
 
-class ToyRunner:
-    """ModelRunner's interface over a real KVCache: one layer, one head, head_dim 1."""
+class ToyRunner(CacheRows):
+    """The pass contract (runtime/passes.py) over a real KVCache: one layer, one head, head_dim 1;
+    chains only, its logits from `forward`, as ModelRunner's convenience spells it."""
 
     def __init__(self, lm: ToyLM, max_context: int = 256):
         self.lm = lm
@@ -74,7 +76,12 @@ class ToyRunner:
         n_logits = block if n_logits is None else n_logits
         return np.stack(rows)[block - n_logits :]  # [N,V]
 
-    def prefill(self, token_ids, chunk: int = 256):
+    def score(self, block, trunk_hidden=None):
+        assert block.is_chain and block.positions[0] == self.kept and not block.hidden
+        return Scored(self.forward(block.tokens, block.n_logits, trunk_hidden))
+
+    def prefill(self, token_ids, chunk: int = 256, hidden=()):
+        assert not hidden
         for begin in range(0, len(token_ids), chunk):
             self.forward(token_ids[begin : begin + chunk], n_logits=1)
 
@@ -272,11 +279,19 @@ def test_higher_alpha_never_shortens_gamma():
     assert chosen == sorted(chosen) and chosen[-1] > chosen[0]
 
 
+def _play(controller: PartPolicy, *args, **kwargs) -> Plan:
+    """A plan chosen and its round played: the probe schedule moves as the plan says (as
+    RoundPolicy.observe has it do), since choosing alone changes nothing."""
+    plan = controller.choose(*args, **kwargs)
+    controller.follow(plan)
+    return plan
+
+
 def _rounds(controller: PartPolicy, n: int, draft_step_cost: float, accept: bool = False) -> list[int]:
     """γ chosen for n rounds; every drafted round is rejected at its first token (or accepted in full)."""
     choices = []
     for _ in range(n):
-        plan = controller.choose(draft_step_cost=draft_step_cost)
+        plan = _play(controller, draft_step_cost=draft_step_cost)
         gamma = plan.gamma
         if gamma:
             controller.update(plan, gamma, gamma if accept else 0)
@@ -355,7 +370,7 @@ def test_a_probe_accepted_in_full_is_not_a_failure():
 def test_a_probe_that_wins_keeps_probing_alive():
     costs = _costs({1: 1.0, 2: 1.0})
     controller = _with_alpha(0.1, costs, GammaConfig(probe_first=2, probe_every=8, max_failed_probes=1))
-    plans = [controller.choose(draft_step_cost=0.2) for _ in range(2)]
+    plans = [_play(controller, draft_step_cost=0.2) for _ in range(2)]
     assert [plan.gamma for plan in plans] == [0, 1] and plans[1].probe
     controller.update(plans[1], 1, 1)  # the probe was accepted ...
     for _ in range(30):
@@ -465,7 +480,7 @@ def test_a_draft_model_that_sat_out_comes_back():
     controller.ledger.advance(1)
     lag, drafted = 0, []
     for _ in range(100):
-        gamma = controller.choose(draft_step_cost=0.16, replay_seconds=0.08 * lag).gamma
+        gamma = _play(controller, draft_step_cost=0.16, replay_seconds=0.08 * lag).gamma
         drafted.append(gamma)
         if gamma:
             break
@@ -482,15 +497,15 @@ def test_a_probe_that_buys_only_information_pays_its_replay_whole():
     costs = _costs({1: 1.0, 2: 1.27, 3: 1.84, 4: 2.13})
     low = _with_alpha(0.4, costs)
     low.start(horizon_tokens=128)  # room 1.28 s; a γ = 1 probe's worst case is 0.43 s plus its replay
-    assert not any(low.choose(draft_step_cost=0.16, replay_seconds=0.08 * 40).gamma for _ in range(40))  # 3.2 s replay
-    plan = low.choose(draft_step_cost=0.16, replay_seconds=0.08 * 4)
+    assert not any(_play(low, draft_step_cost=0.16, replay_seconds=0.08 * 40).gamma for _ in range(40))  # 3.2 s replay
+    plan = _play(low, draft_step_cost=0.16, replay_seconds=0.08 * 4)
     assert plan.gamma == 1 and plan.probe and plan.whole_replay and plan.replay_s == pytest.approx(0.32)  # 0.32 s: affordable
     high = _with_alpha(0.95, costs)  # caught up it would gain: its probe's replay goes by share
     high.start(horizon_tokens=128)
     high.ledger.record(2 * 0.16 + 1.84, 1)
     high.ledger.advance(1)
     for lag in range(100):
-        plan = high.choose(draft_step_cost=0.16, replay_seconds=0.08 * lag)
+        plan = _play(high, draft_step_cost=0.16, replay_seconds=0.08 * lag)
         if plan.gamma:
             break
         high.ledger.advance(1)
@@ -531,11 +546,11 @@ def test_a_probe_the_ledger_cannot_afford_is_not_run():
     config = GammaConfig(probe_first=2, probe_every=2, max_failed_probes=100, max_loss=0.05)
     cheap = _with_alpha(0.5, costs, config)
     cheap.start(horizon_tokens=100)  # budget 5 s
-    assert [cheap.choose(draft_step_cost=3.0).gamma for _ in range(2)] == [0, 1]  # expected loss 2.5 s: affordable
+    assert [_play(cheap, draft_step_cost=3.0).gamma for _ in range(2)] == [0, 1]  # expected loss 2.5 s: affordable
     costly = _with_alpha(0.5, costs, config)
     costly.start(horizon_tokens=100)
     # 1000 s of replay ahead: even the hundredth of it a 1-token round pays is twice the budget.
-    assert [costly.choose(draft_step_cost=3.0, replay_seconds=1000.0).gamma for _ in range(6)] == [0] * 6
+    assert [_play(costly, draft_step_cost=3.0, replay_seconds=1000.0).gamma for _ in range(6)] == [0] * 6
 
 
 def test_replay_cost_is_measured_per_token():

@@ -70,7 +70,7 @@ def test_observe_learns_from_the_plan_it_is_given_not_from_the_last_choice():
     first, second = (policy.parts["lookup"] for policy in policies)
     assert plans[0].evidence == 3 and (first.estimates[3].n_accepted, first.estimates[3].n_rejected) == (
         second.estimates[3].n_accepted, second.estimates[3].n_rejected)
-    assert second.estimates[1].value == pytest.approx(0.6)  # the class of the later choice learned nothing
+    assert 1 not in second.estimates and second.alpha(1) == pytest.approx(0.6)  # the class of the later choice learned nothing
     assert first.ledger.loss_seconds == second.ledger.loss_seconds
 
 
@@ -155,3 +155,32 @@ def test_policy_traces_need_neither_tests_nor_torch(tmp_path):
     assert any(p["probe"] and p["whole_replay"] for p in plans) and any(p["probe"] and not p["whole_replay"] for p in plans)
     assert {case["drafter"] for case in cases} == {"model", "auto", "lookup"}
     assert json.loads((tmp_path / "index.json").read_text()) == {"tiny": False, "real": False}
+
+
+def test_choose_changes_nothing_and_observe_moves_the_schedule_as_the_plan_says():
+    """choose is pure: over rounds of every kind (drafted on merit, plain steps counted toward a
+    probe, probes), the policy's whole state is the same before and after each choose, also
+    when a plan is chosen again and dropped unplayed (a batched step); observing the round
+    moves the probe schedule as its plan says."""
+    policy = RoundPolicy(_costs(), prior_alpha=0.2).start(DraftModelDrafter(_Model()), horizon_tokens=400,
+                                                          config=GammaConfig(probe_first=2, probe_every=4, max_failed_probes=50, max_loss=10.0))
+    part = policy.parts["model"]
+    policy.costs.record_draft("model", 1, 0.05)
+    rng = np.random.default_rng(0)
+    kinds = set()
+    for r in range(120):
+        tokens = np.arange(r + 2)
+        before = _state(policy)
+        policy.choose(tokens)  # chosen and dropped, as batch_round may
+        plan = policy.choose(tokens)
+        assert _state(policy) == before, plan
+        kinds.add(plan.schedule)
+        steps = (part.probes.plain_steps, part.probes.gap)
+        accepted = int(rng.integers(0, plan.gamma + 1)) if r < 60 else plan.gamma  # later rounds win: α climbs
+        policy.observe(plan, Round("model" if plan.gamma else None, plan.gamma, plan.gamma, accepted, accepted + 1,
+                                   0.05 * plan.gamma, 1.0, 1.0 + 0.05 * plan.gamma))
+        after = (part.probes.plain_steps, part.probes.gap)
+        expected = {"sat_out": (steps[0] + 1, steps[1]), "probe": (0, min(2 * steps[1], 4)),
+                    "speculating": (0, 2), "": steps}[plan.schedule]
+        assert after == expected, (r, plan.schedule, steps, after)
+    assert kinds >= {"sat_out", "probe", "speculating"}, kinds

@@ -162,15 +162,16 @@ class LoopTest {
     fun `a probe that buys only information pays its replay whole`() {
         val costs = dev.edgespec.core.CostModel().apply { mapOf(1 to 1.0, 2 to 1.27, 3 to 1.84, 4 to 2.13).forEach { (b, s) -> recordTarget(b, s) } }
         val low = PartPolicy(GammaConfig(), costs, priorAlpha = 0.4).apply { start(128) }
-        assertTrue((0 until 40).none { low.choose(0.16, 0.08 * 40).gamma > 0 }, "a probe replayed 40 tokens")
-        val probe = low.choose(0.16, 0.08 * 4)
+        // Choosing changes nothing: each round is played (follow) for the probe schedule to move.
+        assertTrue((0 until 40).none { low.choose(0.16, 0.08 * 40).also(low::follow).gamma > 0 }, "a probe replayed 40 tokens")
+        val probe = low.choose(0.16, 0.08 * 4).also(low::follow)
         assertEquals(1, probe.gamma)
         assertTrue(probe.probe && probe.wholeReplay)
         val high = PartPolicy(GammaConfig(), costs, priorAlpha = 0.95).apply { start(128) }
         high.ledger.record(2 * 0.16 + 1.84, 1)
         high.ledger.advance(1)
         var plan = Plan()
-        val back = (0 until 100).first { plan = high.choose(0.16, 0.08 * it); plan.gamma > 0 || run { high.ledger.advance(1); false } }
+        val back = (0 until 100).first { plan = high.choose(0.16, 0.08 * it).also(high::follow); plan.gamma > 0 || run { high.ledger.advance(1); false } }
         assertTrue(back in 11..98 && !plan.wholeReplay, "came back after $back")
     }
 }

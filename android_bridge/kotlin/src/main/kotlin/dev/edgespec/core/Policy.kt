@@ -29,10 +29,16 @@ data class Plan(
     val wholeReplay: Boolean = false, // a probe no later round carries: the ledger holds all of its replay
     val draftStepSeconds: Double = 0.0,
     val replaySeconds: Double = 0.0,
+    // What the round, once observed, does to its part's probe schedule (ProbeSchedule.follow): "speculating",
+    // "sat_out" (a plain step counted toward the next probe), "probe", or "" (nothing); a probe's is "probe".
+    val schedule: String = if (probe) "probe" else "",
 ) {
     init {
         require(gamma >= 0) { "a plan's gamma must be >= 0, got $gamma" }
         require(!wholeReplay || probe) { "only a probe holds its replay whole" }
+        require(schedule in listOf("", "speculating", "sat_out", "probe") && (schedule == "probe") == probe) {
+            "a plan's schedule is '', 'speculating', 'sat_out' or 'probe' (for a probe only), got '$schedule'"
+        }
     }
 }
 
@@ -65,9 +71,14 @@ class ProbeSchedule(private val config: GammaConfig) {
 
     fun start() { plainSteps = 0; gap = config.probeFirst; failed = 0 }
     fun speculating() { plainSteps = 0; gap = config.probeFirst; failed = 0 }
-    /** Counts a plain step; true when a probe is due. */
-    fun sitOut(): Boolean { plainSteps += 1; return plainSteps >= gap && failed < config.maxFailedProbes }
+    /** Whether a probe is due if the next round is a plain step (counted by [sitOut]). */
+    fun due(): Boolean = plainSteps + 1 >= gap && failed < config.maxFailedProbes
+    fun sitOut() { plainSteps += 1 }
     fun probe() { plainSteps = 0; gap = minOf(2 * gap, config.probeEvery) }
+    /** A round chosen with [Plan.schedule] was played: the schedule moves as the plan said. */
+    fun follow(schedule: String) {
+        when (schedule) { "speculating" -> speculating(); "sat_out" -> sitOut(); "probe" -> probe() }
+    }
     /** A probe's outcome: it fails only when the target rejects a drafted token (runtime/policy.py). */
     fun outcome(nDrafted: Int, nAccepted: Int) { failed = if (nAccepted == nDrafted) 0 else failed + 1 }
 }
@@ -106,8 +117,10 @@ class PartPolicy(val config: GammaConfig, val costs: CostModel, private val prio
     val probes = ProbeSchedule(config)
     val ledger = LossLedger(config.maxLoss, costs)
 
+    /** The class's estimate, made from the prior on its first outcome ([update]). */
     fun estimate(evidence: Int = 0): AlphaEstimate = estimates.getOrPut(evidence) { AlphaEstimate(priorAlpha, config.decay) }
-    fun alpha(evidence: Int = 0): Double = estimate(evidence).value
+    /** Read without making an estimate: choosing changes nothing. */
+    fun alpha(evidence: Int = 0): Double = (estimates[evidence] ?: AlphaEstimate(priorAlpha, config.decay)).value
 
     init { start() }
 
@@ -148,26 +161,30 @@ class PartPolicy(val config: GammaConfig, val costs: CostModel, private val prio
 
     /**
      * The plan for the next round (γ 0: plain; the drafter is [RoundPolicy]'s to fill in). Only a γ whose worst case
-     * the ledger can afford is considered (runtime/policy.py PartPolicy.choose).
+     * the ledger can afford is considered (runtime/policy.py PartPolicy.choose). It changes nothing: what the plan does
+     * to the probe schedule travels in [Plan.schedule] and happens when the round is observed.
      */
     fun choose(draftStepCost: Double, replaySeconds: Double = 0.0, evidence: Int = 0): Plan {
-        fun plan(gamma: Int = 0, probe: Boolean = false, whole: Boolean = false) =
-            Plan(null, gamma, evidence, probe, whole, draftStepCost, replaySeconds)
+        fun plan(gamma: Int = 0, probe: Boolean = false, whole: Boolean = false, schedule: String = if (probe) "probe" else "") =
+            Plan(null, gamma, evidence, probe, whole, draftStepCost, replaySeconds, schedule)
         config.fixed?.let { return plan(it) }
         val gains = gains(draftStepCost, replaySeconds, evidence)
         val affordable = gains.keys.filter { it > 0 }
         if (affordable.isEmpty()) return plan()
         val best = gains.keys.maxBy { gains.getValue(it) }  // the first of equals: the shortest
-        if (gains.getValue(best) >= config.minGain) { probes.speculating(); return plan(best) }
-        if (probes.sitOut()) {
+        if (gains.getValue(best) >= config.minGain) return plan(best, schedule = "speculating")
+        if (probes.due()) {
             // A probe whose model, caught up, would not draft on its merit buys only information: no later round carries its replay.
             val whole = affordable.maxOf { expectedSpeedup(it, draftStepCost, 0.0, evidence) } < config.minGain
             val room = ledger.room()
             val probeable = affordable.filter { worstLoss(it, draftStepCost, replaySeconds, whole) <= room }
-            if (probeable.isNotEmpty()) { probes.probe(); return plan(probeable.maxBy { gains.getValue(it) }, probe = true, whole = whole) }
+            if (probeable.isNotEmpty()) return plan(probeable.maxBy { gains.getValue(it) }, probe = true, whole = whole)
         }
-        return plan()
+        return plan(schedule = "sat_out")
     }
+
+    /** A round chosen by this part was played (drafted or not): its probe schedule moves as the plan says. */
+    fun follow(plan: Plan) = probes.follow(plan.schedule)
 
     /** The outcome of a round drafted on `plan`: α for its evidence class, and the probe schedule if it was a probe. */
     fun update(plan: Plan, nDrafted: Int, nAccepted: Int) {
@@ -230,6 +247,7 @@ class RoundPolicy(val costs: CostModel = CostModel(), private val priorAlpha: Do
     /** Learns from a round drafted on `plan`: the verify pass's cost, and for a drafted round its drafter's α, probe, ledger, draft and replay costs. */
     fun observe(plan: Plan, done: Round) {
         costs.recordTarget(done.nDrafted + 1, done.targetSeconds)
+        plan.drafter?.let { parts[it.name]?.follow(plan) }
         if (done.nDrafted > 0) {
             parts.getValue(done.drafter!!).observe(plan, done)
             if (done.drafter in priced) {
