@@ -180,3 +180,89 @@ def speedup_bound(alpha: float, gamma: int, cost_ratio: float) -> float:
     if not cost_ratio >= 0.0:
         raise ValueError(f"cost_ratio must be >= 0, got {cost_ratio!r}")
     return expected_tokens_per_pass(alpha, gamma) / (1.0 + gamma * cost_ratio)
+
+
+# -- trees: several candidates per position, verified in one target pass -------------------------
+#
+# A tree block (runtime/passes.py Block) is rows 0..T-1, row 0 the pending token (the root, already
+# committed), each other row a drafted token whose parent is an earlier row. Row i's target row
+# predicts what follows row i. Siblings are examined in block order.
+
+
+def _children(parents: list[int]) -> list[list[int]]:
+    kids: list[list[int]] = [[] for _ in parents]
+    for row, parent in enumerate(parents):
+        if row and not 0 <= parent < row:
+            raise ValueError(f"row {row}'s parent {parent} must be an earlier row (row 0 is the root)")
+        if row:
+            kids[parent].append(row)
+    return kids
+
+
+def _check_tree(target: np.ndarray, tokens, parents) -> tuple[np.ndarray, list[int], list[list[int]]]:
+    target = np.asarray(target, dtype=np.float64)  # [T,V]
+    tokens, parents = _check_draft_tokens(tokens, target.shape[1] if target.ndim == 2 else None), [int(p) for p in parents]
+    if target.ndim != 2 or target.shape[0] != len(tokens) or len(parents) != len(tokens) or not tokens or parents[0] != -1:
+        raise ValueError(f"a tree takes target rows [T, V], T tokens and T parents, row 0's parent -1; got {target.shape}, "
+                         f"{len(tokens)} tokens, parents {parents[:8]}")
+    return target, tokens, _children(parents)
+
+
+def verify_tree_greedy(target_logits_or_probs: np.ndarray, tokens, parents) -> tuple[list[int], int]:
+    """The deepest path whose every token is the target's argmax after its ancestors: from the
+    root, the first child holding its parent's argmax, and so on. target [T, V], tokens [T],
+    parents [T]. Returns (the accepted rows after the root, in order; the argmax after the last).
+    Equals greedy decoding's own tokens, so it is lossless. No RNG."""
+    target, tokens, kids = _check_tree(target_logits_or_probs, tokens, parents)
+    argmax = np.argmax(target, axis=-1)  # [T]
+    path, node = [], 0
+    while True:
+        match = next((c for c in kids[node] if tokens[c] == int(argmax[node])), None)
+        if match is None:
+            return path, int(argmax[node])
+        path.append(match)
+        node = match
+
+
+def verify_tree_stochastic(target_probs: np.ndarray, draft_probs: np.ndarray | None, tokens, parents,
+                           rng: np.random.Generator) -> tuple[list[int], int]:
+    """Recursive rejection sampling over a tree (SpecInfer's multi-step speculative sampling,
+    Miao et al. 2024; Jeon et al. 2024 without replacement): at a node, its children are tested
+    in order, child c accepted with min(1, p(x)/q_c(x)); after each rejection p becomes
+    norm(max(0, p - q_c)), the next sibling is tested against that residual, and when every
+    child is rejected the token is drawn from the last residual. An accepted child's own
+    children are tested against its target row; a node without children draws the bonus from
+    its row. Every emitted token is then distributed exactly as p.
+
+    target_probs [T, V]: p after each row. draft_probs [T, V] or None: row c is the
+    distribution child c was drawn from given its earlier siblings (the same q for siblings
+    drawn independently; q without the earlier siblings' tokens, renormalized, for siblings
+    drawn without replacement); None: every child proposed without a distribution (copied
+    from a trie), verified as q one-hot. Row 0 of draft_probs is unused.
+    Returns (the accepted rows after the root, in order; the token drawn after the last).
+    Uniforms: one per examined child, then one draw by `sample`."""
+    target, tokens, kids = _check_tree(target_probs, tokens, parents)
+    vocab = target.shape[1]
+    if draft_probs is not None:
+        draft_probs = np.asarray(draft_probs, dtype=np.float64)  # [T,V]
+        if draft_probs.shape != target.shape:
+            raise ValueError(f"draft_probs must have the target's shape {target.shape}, got {draft_probs.shape}")
+        for row in range(1, len(tokens)):  # checked before drawing: a bad call leaves the stream untouched
+            if not draft_probs[row, tokens[row]] > 0.0:
+                raise ValueError(f"row {row}'s token {tokens[row]} has q = {draft_probs[row, tokens[row]]}; it cannot have been drawn from it")
+    path, node = [], 0
+    while True:
+        p = target[node]  # [V]
+        for child in kids[node]:
+            x = tokens[child]
+            q = draft_probs[child] if draft_probs is not None else np.eye(1, vocab, x)[0]  # [V]
+            u = rng.random()
+            if p[x] >= q[x] or u * q[x] < p[x]:  # u < min(1, p/q) without dividing
+                path.append(child)
+                break
+            residual = np.maximum(p - q, 0.0)  # [V]
+            # p == q up to rounding leaves nothing: p itself is then the right law.
+            p = residual / residual.sum() if residual.sum() > 0.0 else p
+        else:
+            return path, sample(p, rng)
+        node = path[-1]
