@@ -543,144 +543,208 @@ def export_bundle(config: ExportConfig, log: Callable[[str], None] = _log_stderr
 
 def _export_into(config: ExportConfig, tmp: Path, layer_skips, model_drafts, progress: Progress, load) -> mf.Manifest:
     # Everything refusable is refused from configs and tokenizers, before any weights load.
+    target_config, draft_config, skip_spec = _read_configs(config, layer_skips, model_drafts)
+    vocab_rows = _shared_vocab_rows(config, target_config, model_drafts, draft_config)
+    text = _draft_vocab_text(config)
+
+    # Each role costs about its fp32 size twice over: tracing (counted part by part) and writing.
+    costs = {"target": _fp32_bytes(target_config), "draft": _fp32_bytes(draft_config) if draft_config is not None else 0}
+    progress.plan(2 * sum(costs.values()))
+    # One role at a time: the target is loaded, traced, freed and quantized before the draft loads.
+    target = _load_target(config, target_config.vocab_size, progress, load)
+    tokenizer = _tokenizer_info(target, tmp)
+    head_tokens = _draft_head_tokens(config, target.tokenizer, tokenizer, text, progress) if text is not None else None
+    target_arch = _arch_info(target.model, config.max_context, vocab_rows, config.profile.kv_dtype)
+    plan, models = _target_roles(config, target, target_arch, skip_spec, target_config.num_hidden_layers, progress)
+    packages: dict[str, mf.CoreMLPackageInfo] = {}
+    with tempfile.TemporaryDirectory(dir=tmp) as scratch:
+        origins = {key: {} for key, *_ in plan}
+        traced = {key: _trace_stage(target, key, layers, embed, head, config, tmp, Path(scratch), vocab_rows, progress, packages, origins=origins[key])
+                  for key, layers, embed, head in plan}
+        target_blocks = _kept_gguf_blocks(config, target)
+        del target  # the torch weights go before quantizing (the caller's cache may still hold them)
+        gc.collect()
+        progress(f"target written as fp32 graphs; peak memory so far {peak_rss_bytes() / 2**30:.1f} GiB")
+        stages, gguf_blocks = _quantize_target(config, traced, origins, target_blocks, vocab_rows, tmp, progress)
+        if gguf_blocks is not None:  # a layer-skip draft runs the target's weights, so its blocks too
+            for role in [r for r in ("target", "layer_skip") if r in models]:
+                models[role] = dataclasses.replace(models[role], gguf_blocks=dict(gguf_blocks))
+        progress.advance(costs["target"])
+        if model_drafts:
+            stages["draft"], models["draft"] = _write_draft(config, model_drafts[0], draft_config, vocab_rows, head_tokens, tmp, Path(scratch), progress, packages, load)
+            progress.advance(costs["draft"])
+
+    manifest = _write_manifest(config, tmp, stages, models, tokenizer, packages, progress)
+    if "onnx" in config.formats:
+        _check_placement(config, manifest, tmp, progress)
+    return manifest
+
+
+def _read_configs(config: ExportConfig, layer_skips, model_drafts):
+    """The target's and the draft model's configs (None without one) and the layer-skip spec
+    (None without one), each checked against this export's context and the target's layers."""
     _, target_config = load_config(config.model)
     check_context(target_config, config.max_context)
     draft_config = None
     if model_drafts:
         _, draft_config = load_config(model_drafts[0])
         check_context(draft_config, config.max_context)
-    n_layers = target_config.num_hidden_layers
     skip_spec = None
     if layer_skips:
         try:
-            skip_spec = ls.parse(layer_skips[0], n_layers)
+            skip_spec = ls.parse(layer_skips[0], target_config.num_hidden_layers)
         except ls.LayerSpecError as exc:
             raise ExportError(str(exc)) from None
+    return target_config, draft_config, skip_spec
 
-    vocab_rows = target_rows = target_config.vocab_size
-    if model_drafts:
-        target_tokenizer = load_tokenizer(config.model)
-        difference = _vocab_difference(target_tokenizer, load_tokenizer(model_drafts[0]))
-        if difference:
-            raise ExportError(f"draft {model_drafts[0]!r} does not share the target's tokenizer: {difference}")
-        draft_rows = draft_config.vocab_size
-        if draft_rows != target_rows:
-            # Same real tokens, differently padded heads: score only the real tokens in both.
-            if min(target_rows, draft_rows) < len(target_tokenizer):
-                raise ExportError("the draft's LM head is smaller than the shared tokenizer")
-            vocab_rows = len(target_tokenizer)
-        if config.draft_vocab is not None:
-            from export.vocab_trim import always_kept
 
-            if config.draft_vocab > len(target_tokenizer):
-                raise ExportError(f"--draft-vocab {config.draft_vocab} is more than the {len(target_tokenizer)} tokens of the tokenizer")
-            eos = [t for t in (target_tokenizer.eos_token_id,) if t is not None]
-            forced = always_kept(target_tokenizer, eos, target_tokenizer.bos_token_id)
-            if len(forced) > config.draft_vocab:
-                raise ExportError(f"--draft-vocab {config.draft_vocab} is smaller than the {len(forced)} special and EOS tokens a trimmed head always keeps")
-        del target_tokenizer
-    text = None
+def _shared_vocab_rows(config: ExportConfig, target_config, model_drafts, draft_config) -> int:
+    """The LM-head rows every role scores: the target's, or only the real tokens where a draft
+    model's head is padded otherwise. Refuses a draft model with another tokenizer."""
+    target_rows = target_config.vocab_size
+    if not model_drafts:
+        return target_rows
+    target_tokenizer = load_tokenizer(config.model)
+    difference = _vocab_difference(target_tokenizer, load_tokenizer(model_drafts[0]))
+    if difference:
+        raise ExportError(f"draft {model_drafts[0]!r} does not share the target's tokenizer: {difference}")
+    vocab_rows = target_rows
+    draft_rows = draft_config.vocab_size
+    if draft_rows != target_rows:
+        # Same real tokens, differently padded heads: score only the real tokens in both.
+        if min(target_rows, draft_rows) < len(target_tokenizer):
+            raise ExportError("the draft's LM head is smaller than the shared tokenizer")
+        vocab_rows = len(target_tokenizer)
     if config.draft_vocab is not None:
-        from export.vocab_trim import TrimError, corpus
+        _check_draft_vocab(config.draft_vocab, target_tokenizer)
+    return vocab_rows
 
-        try:
-            text = corpus(tuple(config.draft_vocab_from))
-        except TrimError as exc:
-            raise ExportError(str(exc)) from None
 
-    # Each role costs about its fp32 size twice over: tracing (counted part by part) and writing.
-    costs = {"target": _fp32_bytes(target_config), "draft": _fp32_bytes(draft_config) if draft_config is not None else 0}
-    progress.plan(2 * sum(costs.values()))
-    # One role at a time: the target is loaded, traced, freed and quantized before the draft loads.
+def _check_draft_vocab(draft_vocab: int, tokenizer) -> None:
+    """Refuse a --draft-vocab above the tokenizer's size or below the tokens a trimmed head always keeps."""
+    from export.vocab_trim import always_kept
+
+    if draft_vocab > len(tokenizer):
+        raise ExportError(f"--draft-vocab {draft_vocab} is more than the {len(tokenizer)} tokens of the tokenizer")
+    eos = [t for t in (tokenizer.eos_token_id,) if t is not None]
+    forced = always_kept(tokenizer, eos, tokenizer.bos_token_id)
+    if len(forced) > draft_vocab:
+        raise ExportError(f"--draft-vocab {draft_vocab} is smaller than the {len(forced)} special and EOS tokens a trimmed head always keeps")
+
+
+def _draft_vocab_text(config: ExportConfig):
+    """The text --draft-vocab counts token frequencies on (export.vocab_trim.corpus), or None without it."""
+    if config.draft_vocab is None:
+        return None
+    from export.vocab_trim import TrimError, corpus
+
+    try:
+        return corpus(tuple(config.draft_vocab_from))
+    except TrimError as exc:
+        raise ExportError(str(exc)) from None
+
+
+def _load_target(config: ExportConfig, target_rows: int, progress: Progress, load) -> Checkpoint:
+    """The target checkpoint, its architecture supported and its LM head as long as its config says."""
     progress(f"loading {config.model}")
     target = load(config.model)
     arch_for(target.model.config)
     if target.model.lm_head.weight.shape[0] != target_rows:
         raise ExportError(f"{config.model!r}: LM head has {target.model.lm_head.weight.shape[0]} rows, its config says {target_rows}")
-    tokenizer = _tokenizer_info(target, tmp)
-    head_tokens = _draft_head_tokens(config, target.tokenizer, tokenizer, text, progress) if text is not None else None
+    return target
 
-    stages: dict[str, mf.StageInfo] = {}
-    models: dict[str, mf.ModelInfo] = {}
-    packages: dict[str, mf.CoreMLPackageInfo] = {}
-    kv_dtype = config.profile.kv_dtype
-    target_arch = _arch_info(target.model, config.max_context, vocab_rows, kv_dtype)
-    if skip_spec is not None:
-        kept, search = skip_spec.kept, None
-        if skip_spec.auto:
-            from export.layer_search import search as search_layers
 
-            progress(f"searching the layers a layer-skip draft keeps ({config.layer_search_tokens} tokens, verify curve {config.verify_curve})")
-            with target.loaded(_module_paths(range(n_layers), True, True)):
-                kept, search = search_layers(target.model, target.tokenizer, config.search_config(), progress)
-        # The target runs every segment, then the head; the draft runs the kept segments, then the
-        # head: every weight is stored once, and the draft writes its KV rows into the target's cache.
-        plan, draft_stages = [], []
-        pieces = ls.segments(kept, n_layers)
-        for index, (layers, is_kept) in enumerate(pieces):
-            key = "target.trunk" if index == 0 else ("target.rest" if len(pieces) == 2 else f"target.s{index}")
-            plan.append((key, layers, index == 0, False))
-            if is_kept:
-                draft_stages.append(key)
-        plan.append(("target.head", range(0, 0), False, True))
-        models["target"] = mf.ModelInfo(target.source.description, target_arch, config.quant, tuple(k for k, *_ in plan), block_size=config.block_size, zero_points=config.zero_points)
-        windows = tuple(target_arch.layer_windows[i] for i in kept) if target_arch.layer_windows else ()
-        kept_words = f"first {len(kept)}" if kept == tuple(range(len(kept))) else f"layers {ls.describe(kept)}"
-        models["layer_skip"] = mf.ModelInfo(
-            f"layer skip: {kept_words} of {n_layers} layers of the target{', chosen by layer-skip:auto' if search else ''}",
-            dataclasses.replace(target_arch, n_layers=len(kept), layer_windows=windows),
-            config.quant,
-            (*draft_stages, "target.head"),
-            shares_kv_with="target",
-            block_size=config.block_size,
-            zero_points=config.zero_points,
-            layer_search=search,
-        )
-    else:
+def _target_roles(config: ExportConfig, target: Checkpoint, target_arch: mf.ArchInfo, skip_spec, n_layers: int,
+                  progress: Progress) -> tuple[list[tuple[str, range, bool, bool]], dict[str, mf.ModelInfo]]:
+    """The target's stages to write (key, layers, embedding, head) and the manifest's roles they
+    serve: the target whole, or with a layer-skip draft the target cut where the draft skips."""
+    if skip_spec is None:
         plan = [("target", range(n_layers), True, True)]
-        models["target"] = mf.ModelInfo(target.source.description, target_arch, config.quant, ("target",), block_size=config.block_size, zero_points=config.zero_points)
-    with tempfile.TemporaryDirectory(dir=tmp) as scratch:
-        origins = {key: {} for key, *_ in plan}
-        traced = {key: _trace_stage(target, key, layers, embed, head, config, tmp, Path(scratch), vocab_rows, progress, packages, origins=origins[key])
-                  for key, layers, embed, head in plan}
-        # The blocks are read from the GGUF's memory map when written; the torch weights can go.
-        from_gguf = target.weights is not None and bool(target.weights.blocks_read)
-        if config.gguf_blocks and not from_gguf:
-            raise ExportError(f"--gguf-blocks keeps a GGUF's own blocks: {config.model!r} is not read from a .gguf file")
-        target_blocks = target.weights if config.keeps_gguf_blocks(from_gguf) else None
-        del target  # the torch weights go before quantizing (the caller's cache may still hold them)
-        gc.collect()
-        progress(f"target written as fp32 graphs; peak memory so far {peak_rss_bytes() / 2**30:.1f} GiB")
-        kept: dict[str, int] = {}
-        for key, (info, path) in traced.items():
-            gguf = (target_blocks, origins[key], np.arange(vocab_rows)) if target_blocks is not None else None
-            stages[key], stage_kept = _quantize_stage(key, info, path, config, tmp, progress, gguf)
-            for name, count in stage_kept.items():
-                kept[name] = kept.get(name, 0) + count
-        if target_blocks is not None:
-            progress("target weights: " + ", ".join(f"{count / 1e6:.1f} M {name}" for name, count in sorted(kept.items())))
-            for role in [r for r in ("target", "layer_skip") if r in models]:
-                models[role] = dataclasses.replace(models[role], gguf_blocks=dict(sorted(kept.items())))
-        progress.advance(costs["target"])
-        if model_drafts:
-            progress(f"loading draft {model_drafts[0]}")
-            draft = load(model_drafts[0])
-            if draft.model.lm_head.weight.shape[0] != draft_config.vocab_size:
-                raise ExportError(f"draft {model_drafts[0]!r}: LM head has {draft.model.lm_head.weight.shape[0]} rows, its config says {draft_config.vocab_size}")
-            draft_layers = draft.model.config.num_hidden_layers
-            draft_arch = _arch_info(draft.model, config.max_context, vocab_rows, kv_dtype)
-            info, path = _trace_stage(draft, "draft", range(draft_layers), True, True, config, tmp, Path(scratch), vocab_rows, progress, packages, None if head_tokens is None else head_tokens.rows)
-            source = draft.source.description
-            del draft
-            gc.collect()
-            stages["draft"], _ = _quantize_stage("draft", info, path, config, tmp, progress)
-            progress.advance(costs["draft"])
-            trimmed = None
-            if head_tokens is not None:
-                trimmed = mf.TrimmedHead("draft" + mf.HEAD_TOKENS_SUFFIX, len(head_tokens.rows), head_tokens.description)
-                np.save(tmp / trimmed.file, head_tokens.rows)
-            models["draft"] = mf.ModelInfo(source, draft_arch, config.quant, ("draft",), trimmed_head=trimmed, block_size=config.draft_block, zero_points=config.zero_points)
+        return plan, {"target": mf.ModelInfo(target.source.description, target_arch, config.quant, ("target",), block_size=config.block_size, zero_points=config.zero_points)}
+    kept, search = skip_spec.kept, None
+    if skip_spec.auto:
+        from export.layer_search import search as search_layers
 
+        progress(f"searching the layers a layer-skip draft keeps ({config.layer_search_tokens} tokens, verify curve {config.verify_curve})")
+        with target.loaded(_module_paths(range(n_layers), True, True)):
+            kept, search = search_layers(target.model, target.tokenizer, config.search_config(), progress)
+    # The target runs every segment, then the head; the draft runs the kept segments, then the
+    # head: every weight is stored once, and the draft writes its KV rows into the target's cache.
+    plan, draft_stages = [], []
+    pieces = ls.segments(kept, n_layers)
+    for index, (layers, is_kept) in enumerate(pieces):
+        key = "target.trunk" if index == 0 else ("target.rest" if len(pieces) == 2 else f"target.s{index}")
+        plan.append((key, layers, index == 0, False))
+        if is_kept:
+            draft_stages.append(key)
+    plan.append(("target.head", range(0, 0), False, True))
+    models = {"target": mf.ModelInfo(target.source.description, target_arch, config.quant, tuple(k for k, *_ in plan), block_size=config.block_size, zero_points=config.zero_points)}
+    windows = tuple(target_arch.layer_windows[i] for i in kept) if target_arch.layer_windows else ()
+    kept_words = f"first {len(kept)}" if kept == tuple(range(len(kept))) else f"layers {ls.describe(kept)}"
+    models["layer_skip"] = mf.ModelInfo(
+        f"layer skip: {kept_words} of {n_layers} layers of the target{', chosen by layer-skip:auto' if search else ''}",
+        dataclasses.replace(target_arch, n_layers=len(kept), layer_windows=windows),
+        config.quant,
+        (*draft_stages, "target.head"),
+        shares_kv_with="target",
+        block_size=config.block_size,
+        zero_points=config.zero_points,
+        layer_search=search,
+    )
+    return plan, models
+
+
+def _kept_gguf_blocks(config: ExportConfig, target: Checkpoint):
+    """The target's GGUF weights when this export keeps their blocks, else None; refuses
+    --gguf-blocks for a target read from no .gguf file."""
+    # The blocks are read from the GGUF's memory map when written; the torch weights can go.
+    from_gguf = target.weights is not None and bool(target.weights.blocks_read)
+    if config.gguf_blocks and not from_gguf:
+        raise ExportError(f"--gguf-blocks keeps a GGUF's own blocks: {config.model!r} is not read from a .gguf file")
+    return target.weights if config.keeps_gguf_blocks(from_gguf) else None
+
+
+def _quantize_target(config: ExportConfig, traced, origins, target_blocks, vocab_rows: int, tmp: Path,
+                     progress: Progress) -> tuple[dict[str, mf.StageInfo], dict[str, int] | None]:
+    """Write the target's traced stages into the bundle; returns their entries and, where the
+    GGUF's blocks are kept, the weights kept per GGUF type (None where none are)."""
+    stages: dict[str, mf.StageInfo] = {}
+    kept: dict[str, int] = {}
+    for key, (info, path) in traced.items():
+        gguf = (target_blocks, origins[key], np.arange(vocab_rows)) if target_blocks is not None else None
+        stages[key], stage_kept = _quantize_stage(key, info, path, config, tmp, progress, gguf)
+        for name, count in stage_kept.items():
+            kept[name] = kept.get(name, 0) + count
+    if target_blocks is None:
+        return stages, None
+    progress("target weights: " + ", ".join(f"{count / 1e6:.1f} M {name}" for name, count in sorted(kept.items())))
+    return stages, dict(sorted(kept.items()))
+
+
+def _write_draft(config: ExportConfig, spec: str, draft_config, vocab_rows: int, head_tokens: HeadTokens | None, tmp: Path, scratch: Path,
+                 progress: Progress, packages: dict[str, mf.CoreMLPackageInfo], load) -> tuple[mf.StageInfo, mf.ModelInfo]:
+    """Load, trace, free and quantize the draft model (one stage); returns its stage entry and role."""
+    progress(f"loading draft {spec}")
+    draft = load(spec)
+    if draft.model.lm_head.weight.shape[0] != draft_config.vocab_size:
+        raise ExportError(f"draft {spec!r}: LM head has {draft.model.lm_head.weight.shape[0]} rows, its config says {draft_config.vocab_size}")
+    draft_layers = draft.model.config.num_hidden_layers
+    draft_arch = _arch_info(draft.model, config.max_context, vocab_rows, config.profile.kv_dtype)
+    info, path = _trace_stage(draft, "draft", range(draft_layers), True, True, config, tmp, scratch, vocab_rows, progress, packages, None if head_tokens is None else head_tokens.rows)
+    source = draft.source.description
+    del draft  # the torch weights go before quantizing, as the target's do
+    gc.collect()
+    stage, _ = _quantize_stage("draft", info, path, config, tmp, progress)
+    trimmed = None
+    if head_tokens is not None:
+        trimmed = mf.TrimmedHead("draft" + mf.HEAD_TOKENS_SUFFIX, len(head_tokens.rows), head_tokens.description)
+        np.save(tmp / trimmed.file, head_tokens.rows)
+    return stage, mf.ModelInfo(source, draft_arch, config.quant, ("draft",), trimmed_head=trimmed, block_size=config.draft_block, zero_points=config.zero_points)
+
+
+def _write_manifest(config: ExportConfig, tmp: Path, stages: dict[str, mf.StageInfo], models: dict[str, mf.ModelInfo], tokenizer: mf.TokenizerInfo,
+                    packages: dict[str, mf.CoreMLPackageInfo], progress: Progress) -> mf.Manifest:
+    """Hash every file written, then write and validate the manifest that lists them."""
     progress("hashing files")
     files = {p.name: mf.sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
     # An .mlpackage is a folder: every file inside it is listed and hashed on its own.
@@ -701,12 +765,15 @@ def _export_into(config: ExportConfig, tmp: Path, layer_skips, model_drafts, pro
     )
     (tmp / mf.MANIFEST_FILE).write_text(manifest.to_json())
     mf.validate(manifest, tmp, check_hashes=False)
-    if "onnx" in config.formats:
-        progress(f"checking every node has a {config.profile.provider} kernel")
-        report = check_bundle(manifest, tmp, config.profile.provider)
-        # The CPU provider is the fallback itself: it casts float16 nodes it has no kernel for to
-        # float32 (an fp16 --device cpu bundle), so there only an op it lacks outright fails.
-        misses = report.misses if config.profile.provider != "cpu" else [m for m in report.misses if m.reason.startswith("no ")]
-        if misses:
-            raise ExportError(f"the --device {config.device} graphs would not run on {config.profile.provider}: {report.summary()}")
     return manifest
+
+
+def _check_placement(config: ExportConfig, manifest: mf.Manifest, tmp: Path, progress: Progress) -> None:
+    """Refuse graphs with a node the device's provider has no kernel for."""
+    progress(f"checking every node has a {config.profile.provider} kernel")
+    report = check_bundle(manifest, tmp, config.profile.provider)
+    # The CPU provider is the fallback itself: it casts float16 nodes it has no kernel for to
+    # float32 (an fp16 --device cpu bundle), so there only an op it lacks outright fails.
+    misses = report.misses if config.profile.provider != "cpu" else [m for m in report.misses if m.reason.startswith("no ")]
+    if misses:
+        raise ExportError(f"the --device {config.device} graphs would not run on {config.profile.provider}: {report.summary()}")
