@@ -33,7 +33,7 @@ import numpy as np
 
 RAW_PROMPTS = ("def quicksort(items):\n", "The history of the printing press")
 # The floor on top-1 agreement with the float32 CPU reference, per --quant: on the CPU the Qwen
-# pair's target measured 98.7% at int8 and 91.1% at int4 (README, Precision); float16
+# pair's target measured 98.7% at int8 and 91.1% at int4 (docs/precision.md); float16
 # activations may cost a point or two more, a wrong kernel costs tens.
 TOP1_FLOOR = {"fp16": 0.97, "int8": 0.93, "int4": 0.85}
 # The copies ONNX Runtime inserts between providers; the CUDA EP runs them itself.

@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--draft", default="auto")
     parser.add_argument("--block-stable", action="store_true",
-                        help="serve --block-stable: greedy answers then cannot depend on how requests interleave (README, Exactness)")
+                        help="serve --block-stable: greedy answers then cannot depend on how requests interleave (docs/decoding.md, Exactness)")
     parser.add_argument("--out", help="write the report here (JSON)")
     args = parser.parse_args(argv)
     for name in ("waves", "clients", "max_tokens", "wrong_key_tries"):

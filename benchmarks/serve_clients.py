@@ -7,7 +7,7 @@ round by round, the order of the servers alternating: each round sends C streami
 requests at once (C from --clients; prompts taken in turn from --prompts) and records the total
 completion tokens over the round's wall time, each request's time to its first token and its
 tokens. Answers are compared across servers: with --parallel above 1, a plain request shares its
-passes with the others (README, Batched decoding).
+passes with the others (docs/batching.md).
 """
 
 from __future__ import annotations

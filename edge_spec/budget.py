@@ -8,9 +8,9 @@ Every factor below was measured from /proc/self/status (VmRSS, VmHWM, RssAnon, R
 and after each step of a load and of forward passes, on Linux x86-64 with Python 3.11, numpy
 2.4.6, onnxruntime 1.32.0 and tokenizers 0.23.3, for Qwen2.5-Coder 1.5B + 0.5B (int4, int8;
 portable and fused attention), SmolLM2-135M (fp32) and a random 4-layer hidden-1024 Llama
-(fp32, fp16, int8, int4); the measurements are in BENCHMARKS.md, "The planner's factors". The
-plan is the peak of a full context: the OS backs the KV buffers lazily, so a short conversation
-stays below it.
+(fp32, fp16, int8, int4); the measurements are in benchmarks/notes/2026-11-30-memory-issue-7.md,
+"The planner's factors". The plan is the peak of a full context: the OS backs the KV buffers
+lazily, so a short conversation stays below it.
 """
 
 from __future__ import annotations
@@ -283,7 +283,7 @@ def one_arena(manifest: Manifest) -> bool:
     """Whether the runtime's CPU sessions share one arena: where the target is cut in more than one
     stage with layers (a layer-skip draft's cut). Those stages run in turn, so one arena needs one
     stage's activations where an arena each keeps every stage's; elsewhere sharing saved little
-    and it costs a little decode time (BENCHMARKS.md, "One arena")."""
+    and it costs a little decode time (benchmarks/notes/2026-12-06-one-arena.md)."""
     return _cut(sum(1 for key in manifest.target.stages if manifest.stages[key].layers))
 
 

@@ -95,7 +95,7 @@ def _top_p_survivors_large(row: np.ndarray, top_p: float) -> np.ndarray | None:
     then, if the cut is not among those, up to _TOP_P_CANDIDATES of the whole row. When the cut
     falls strictly inside the prefix, everything below it is removed too (it ranks lower, so it
     has at least as much mass above it); otherwise returns None and the caller sorts the whole
-    row, which costs several times more (BENCHMARKS.md, "Sampling").
+    row, which costs several times more (benchmarks/notes/2026-12-02-sampling.md).
     """
     top = np.max(row)
     weights = np.exp(row - top)  # [V] every token counts toward the mass

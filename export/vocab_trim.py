@@ -5,7 +5,7 @@ the EOS ids and BOS, whatever their count.
 Frequency sources (export --draft-vocab-from, comma-separated, in any mix):
 - stdlib: the .py sources of the running Python's standard library (test suites, IDLE and
   site-packages left out), text every machine with Python has and nobody has to download;
-- docs: this project's Markdown (README.md, BENCHMARKS.md, docs/), found next to the export package;
+- docs: this project's Markdown (README.md, BENCHMARKS.md, docs/, benchmarks/notes/), found next to the export package;
 - a file or folder path: every UTF-8 text file in it (hidden folders skipped).
 """
 
@@ -55,7 +55,8 @@ def corpus(sources: tuple[str, ...]) -> Corpus:
             label = f"stdlib (Python {sysconfig.get_python_version()}, {len(found)} .py files)"
         elif source == "docs":
             found = [p for p in (_REPO / "README.md", _REPO / "BENCHMARKS.md") if p.is_file()]
-            found += [p for p in _text_files(_REPO / "docs") if p.suffix == ".md"] if (_REPO / "docs").is_dir() else []
+            for folder in (_REPO / "docs", _REPO / "benchmarks" / "notes"):  # the dated measurements moved to notes/
+                found += [p for p in _text_files(folder) if p.suffix == ".md"] if folder.is_dir() else []
             label = f"docs (edge-spec Markdown, {len(found)} files)"
         else:
             path = Path(source)

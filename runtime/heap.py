@@ -1,7 +1,8 @@
 """The C heap between bursts of requests. glibc's malloc gives each new thread an arena (up to
 8 per core) and keeps what is freed there; a server whose worker and client threads come and go
-then grows by fragments wave after wave while the Python heap stays flat (BENCHMARKS.md,
-"Hostile load run"). Both calls are no-ops where the C library is not glibc."""
+then grows by fragments wave after wave while the Python heap stays flat
+(benchmarks/notes/2026-12-05-hostile-load-run.md). Both calls are no-ops where the C library is
+not glibc."""
 
 from __future__ import annotations
 

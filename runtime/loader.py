@@ -52,7 +52,7 @@ class LoadConfig:
     # (runtime/model.py; the cost is in BENCHMARKS.md).
     block_stable: bool = False
     # Tokens of earlier sequences the suffix drafters (suffix, auto+suffix) keep to copy from.
-    suffix_cache_tokens: int = 1 << 16  # about 20 MB of index at most (README: suffix cache)
+    suffix_cache_tokens: int = 1 << 16  # about 20 MB of index at most (docs/decoding.md: suffix cache)
 
     def __post_init__(self):
         for name in ("threads", "device_id"):

@@ -93,7 +93,7 @@ class SessionConfig:
     profile_prefix: str | None = None  # ONNX Runtime profiling on, files named PREFIX_<date>.json
     # CPU sessions take their activations from one arena of the process instead of one each:
     # the stages of a split target run in turn, so they need one stage's peak, not the sum
-    # (edge_spec.budget.one_arena says when; BENCHMARKS.md, "One arena").
+    # (edge_spec.budget.one_arena says when; benchmarks/notes/2026-12-06-one-arena.md).
     shared_arena: bool = False
 
 
@@ -217,7 +217,7 @@ def session_options(provider: str, config: SessionConfig) -> ort.SessionOptions:
     # Each session owns a pool, and stages and roles run one after another on the same cores.
     # Spinning inside a run wakes the workers fast for each of a pass's parallel kernels;
     # stopping it when the run returns keeps a pool from stealing the cores from the next
-    # session (measured: BENCHMARKS.md, "The performance push", the two spinning rows).
+    # session (measured: benchmarks/notes/2026-11-30-performance-push.md, the two spinning rows).
     options.add_session_config_entry("session.intra_op.allow_spinning", "1")
     options.add_session_config_entry("session.force_spinning_stop", "1")
     # Static KV: inputs keep their shapes, so ORT's memory-pattern planner helps on CPU; the

@@ -6,9 +6,12 @@ made once per session and shared (read-only: tests that alter a bundle copy it f
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import os
 import sys
 import tempfile
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,9 +48,130 @@ def pytest_unconfigure(config):
             written.unlink(missing_ok=True)
 
 
+# -- tiers: one marker per test, one axis (README.md "Tests", docs/testing.md) -------------------------
+#
+#   unit          no model files, no export, no torch or transformers: fast
+#   law           statistical tests of the sampling law (thousands of samples): marked by hand
+#   export        tiny random-weight models built or exported (torch, transformers): derived here
+#   real_weights  the official model files: marked by hand
+TIERS = ("unit", "law", "export", "real_weights")
+TESTS_DIR = Path(__file__).resolve().parent
+# What building a model or a bundle touches: torch and transformers (imports or global names) and
+# the exporter's entry point. Functions of tests/ (tiny.py, real.py, the test modules, this file)
+# that a test calls are followed, so tiny.make_llama or tiny.export count and tiny.PROMPT does not.
+BUILDS = {"torch", "transformers", "export_bundle"}
+
+
+def _code_objects(code: types.CodeType):
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _code_objects(const)
+
+
+def _builds_in(obj, why: list[str], memo: dict) -> bool:
+    """Whether obj (a function, or a class of tests/) names torch, transformers or export_bundle,
+    itself or through the functions and classes of tests/ that it names; why gets the path."""
+    if isinstance(obj, type):
+        return any(_builds_in(value, why, memo) for value in vars(obj).values()
+                   if isinstance(value, (types.FunctionType, staticmethod, classmethod, property)))
+    if isinstance(obj, (staticmethod, classmethod)):
+        obj = obj.__func__
+    if isinstance(obj, property):
+        return any(_builds_in(f, why, memo) for f in (obj.fget, obj.fset) if f is not None)
+    obj = inspect.unwrap(obj)
+    code = getattr(obj, "__code__", None)
+    if code is None or not code.co_filename.startswith(str(TESTS_DIR)):
+        return False  # only tests/'s own code is read: the runtime and exporter are what is tested
+    if code in memo:
+        return memo[code] is not None and (why.append(memo[code]) or True)
+    memo[code] = None  # a cycle answers "no" while it is being read
+    scope = getattr(obj, "__globals__", {})
+    for inner in _code_objects(code):
+        names = set(inner.co_names)
+        found = sorted(names & BUILDS)
+        if found:
+            memo[code] = f"{obj.__qualname__} names {', '.join(found)}"
+            break
+        for name in names:
+            value = scope.get(name)
+            if value is None and (TESTS_DIR / f"{name}.py").is_file():  # a module of tests/ imported inside a function
+                value = sys.modules.get(name) or importlib.import_module(name)
+            # a function or class of tests/, or one reached as an attribute of a module of tests/ (tiny.export)
+            targets = [value] if isinstance(value, (types.FunctionType, type)) else []
+            if isinstance(value, types.ModuleType) and str(getattr(value, "__file__", "")).startswith(str(TESTS_DIR)):
+                targets = [getattr(value, attr) for attr in names if isinstance(getattr(value, attr, None), (types.FunctionType, type))]
+            for target in targets:
+                path: list[str] = []
+                if target is not obj and _builds_in(target, path, memo):
+                    memo[code] = f"{obj.__qualname__} -> {path[0]}"
+                    break
+            if memo[code] is not None:
+                break
+        if memo[code] is not None:
+            break
+    if memo[code] is None:
+        return False
+    why.append(memo[code])
+    return True
+
+
+def export_reason(item, memo: dict) -> str | None:
+    """Why item builds tiny models or exports bundles, or None: its fixtures (pytest's closure,
+    the session fixtures of this file and every test module's own, like test_layer_subset.py's
+    `folders`), the test function and the functions it is parametrized with, each read as code
+    (_builds_in). Reading code rather than listing fixtures or node ids keeps a new test that calls
+    tiny.export, imports torch or asks for a new model-building fixture out of the unit tier
+    without anyone updating a list; a module-level `import tiny` alone would move fast tests of
+    the same file (spec parsing, kernel emulations) with them."""
+    fixturenames = getattr(item, "fixturenames", ())
+    if "tiny_models" in fixturenames:
+        return "uses the tiny_models fixture"
+    candidates = [getattr(item, "function", None)]
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    candidates += [fixturedef.func for name in fixturenames for fixturedef in defs.get(name, ())]
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None:
+        candidates += [value for value in callspec.params.values() if isinstance(value, types.FunctionType)]
+    for candidate in candidates:
+        why: list[str] = []
+        if candidate is not None and _builds_in(candidate, why, memo):
+            return why[0]
+    return None
+
+
+def assign_tiers(items) -> list[str]:
+    """Every test gets exactly one tier marker: law and real_weights as written, export where
+    export_reason finds one, unit otherwise. Returns the tests that are marked with two tiers, or
+    marked unit while they build models, each with why."""
+    memo: dict = {}
+    offenders = []
+    for item in items:
+        marked = sorted({mark.name for mark in item.iter_markers() if mark.name in TIERS})
+        reason = export_reason(item, memo) if not marked or marked == ["unit"] else None
+        if len(marked) > 1:
+            offenders.append(f"{item.nodeid}: marked {' and '.join(marked)}")
+        elif marked == ["unit"] and reason:
+            offenders.append(f"{item.nodeid}: marked unit, but {reason}")
+        elif not marked:
+            item.add_marker("export" if reason else "unit")
+    return offenders
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by the tiers given here
 def pytest_collection_modifyitems(session, config, items):
-    """Tests on real weights run last: the bundles they need are exported in the background
-    while the unit tests run (pytest_collection_finish)."""
+    """Every test gets its tier (assign_tiers), or collection fails naming the tests marked with
+    two, or with unit while they build models. Tests on real weights run last: the bundles they need are exported in the
+    background while the other tests run (pytest_collection_finish)."""
+    offenders = assign_tiers(items)
+    if offenders:
+        # A failed collection report, not an exception, so that pytest-xdist's workers pass it on
+        # to the controller, which prints it and fails the run; without -n pytest stops before
+        # running anything ("1 error during collection").
+        message = (f"every test needs exactly one tier marker of {', '.join(TIERS)} (tests/conftest.py, "
+                   "docs/testing.md):\n  " + "\n  ".join(offenders))
+        where = Path(__file__).resolve().relative_to(config.rootpath).as_posix()
+        session.ihook.pytest_collectreport(report=pytest.CollectReport(where, "failed", message, []))
     real_items = [item for item in items if item.get_closest_marker("real_weights")]
     items[:] = [item for item in items if not item.get_closest_marker("real_weights")] + real_items
     worker = os.environ.get("PYTEST_XDIST_WORKER")
@@ -56,7 +180,7 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 def scope_of(nodeid: str, real: set[str]) -> str:
-    """What one pytest-xdist worker runs together, in order: a file's unit tests (its module
+    """What one pytest-xdist worker runs together, in order: a file's other tests (its module
     fixtures are made once), apart from its real-weight tests (`real`), which wait for their
     bundles and go last; test_real_weights.py's by model family, so the longest file is not one
     worker's tail."""

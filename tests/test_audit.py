@@ -163,6 +163,7 @@ def test_audit_refuses_bad_arguments_before_loading(tmp_path, extra, message):
     assert message in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.law
 @pytest.mark.parametrize("drafter", ["model", "layer-skip", "lookup", "auto"])
 def test_audit_passes_on_a_tiny_bundle(llama_bundle, drafter):
     prompt = "the cat sat on the mat the cat sat on the"  # repeats, so lookup drafts
@@ -183,6 +184,7 @@ def test_audit_that_cannot_exercise_the_verifier_exits_non_zero(llama_bundle):
     assert result.returncode == 1, report
 
 
+@pytest.mark.law
 def test_audit_self_test_tells_the_draft_from_the_target(llama_bundle):
     result = _cli("audit", str(llama_bundle), "--prompt", "the cat sat on the", "--temperature", "1.0", "--draft", "model",
                   "--samples", "1500", "--positions", "2", "--self-test", "--json", timeout=600)

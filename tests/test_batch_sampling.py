@@ -142,6 +142,7 @@ def fits(report: audit.AuditReport) -> bool:
 
 # auto selects between prompt lookup's deterministic proposals and the model's sampled ones, so
 # it covers both verifiers beside the batch (the model's alone: tests/test_loop_sampling.py).
+@pytest.mark.law
 @pytest.mark.parametrize("kind", ["auto"])
 def test_batched_sequences_follow_the_target_law(kind):
     reports, own_rounds = run_audits(kind)
@@ -153,11 +154,13 @@ def test_batched_sequences_follow_the_target_law(kind):
     assert 0 < own_rounds[0] < SAMPLES and own_rounds[1] > SAMPLES // 3, own_rounds  # beside one both ways, beside two its own
 
 
+@pytest.mark.law
 def test_a_batch_that_hands_a_sequence_another_ones_row_fails_the_test():
     reports, _ = run_audits("model", WRONG_SAMPLES, swap_rows=True)
     assert not fits(reports["D"]), reports["D"].lines()
 
 
+@pytest.mark.law
 def test_a_wrong_verifier_in_the_drafting_sequences_rounds_fails_the_test(monkeypatch):
     monkeypatch.setattr(runtime.loop, "verify_stochastic", _resample_from_p)
     reports, _ = run_audits("model", WRONG_SAMPLES)

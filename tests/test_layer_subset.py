@@ -277,6 +277,7 @@ def test_subset_greedy_equals_plain(subset_bundle, block_stable):
         assert result.stats["drafted_tokens"] > 0
 
 
+@pytest.mark.law
 def test_audit_passes_on_a_subset_draft(subset_bundle):
     prompt = "the cat sat on the mat the cat sat on the"
     result = subprocess.run([sys.executable, "-m", "runtime", "audit", str(subset_bundle), "--prompt", prompt, "--temperature", "1.0",

@@ -177,6 +177,7 @@ LAW_CASES = [pytest.param(kind, config, gamma, id=f"{kind}-{config}-{gamma}")
              if (gamma == 3 or config == "T1") and (kind in ("model", "auto") or config == "T1")]
 
 
+@pytest.mark.law
 @pytest.mark.parametrize("kind, config, gamma", LAW_CASES)
 def test_loop_samples_follow_the_target_law(kind, config, gamma):
     report = run_audit(kind, CONFIGS[config], gamma)
@@ -213,6 +214,7 @@ def _greedy_acceptance(target_probs, draft_probs, draft_tokens, rng):
     return len(draft_tokens), sample(target_probs[len(draft_tokens)], rng)
 
 
+@pytest.mark.law
 @pytest.mark.parametrize("wrong", [_resample_from_p, _residual_without_clamp, _greedy_acceptance], ids=lambda f: f.__name__.strip("_"))
 def test_a_wrong_verifier_fails_the_test(monkeypatch, wrong):
     monkeypatch.setattr(runtime.loop, "verify_stochastic", wrong)
@@ -221,6 +223,7 @@ def test_a_wrong_verifier_fails_the_test(monkeypatch, wrong):
     assert not report.passed, report.lines()
 
 
+@pytest.mark.law
 def test_q_processed_unlike_p_fails_the_test(monkeypatch):
     """Draft tokens sampled from q processed like p (T 0.7, top-k 20), but the verifier
     handed q at temperature 1 without top-k."""
@@ -236,6 +239,7 @@ def test_q_processed_unlike_p_fails_the_test(monkeypatch):
     assert not report.passed, report.lines()
 
 
+@pytest.mark.law
 def test_lookup_resampling_the_rejected_token_fails_the_test(monkeypatch):
     """q is one-hot for lookup: a rejection must never re-draw the rejected token."""
 
@@ -251,6 +255,7 @@ def test_lookup_resampling_the_rejected_token_fails_the_test(monkeypatch):
     assert not report.passed, report.lines()
 
 
+@pytest.mark.law
 def test_layer_skip_verify_reusing_a_stale_trunk_row_fails_the_test(monkeypatch):
     """The verify pass must finish the target from the trunk rows of the drafted tokens: reusing
     the first drafted position's trunk output for every one of them changes the law."""
@@ -269,6 +274,7 @@ def test_layer_skip_verify_reusing_a_stale_trunk_row_fails_the_test(monkeypatch)
     assert not report.passed, report.lines()
 
 
+@pytest.mark.law
 def test_layer_skip_subset_verify_keeping_the_drafts_segment_rows_fails_the_test(monkeypatch):
     """A verify pass that recomputed only the rows the draft had not written, leaving the later
     kept segment's rows as the draft wrote them, changes the law."""

@@ -1,5 +1,5 @@
 """Asymmetric (zero-point) MatMulNBits weights, the per-op account of a pass, and the fidelity
-measure: the pieces the bytes-per-token work is decided with (BENCHMARKS.md, "Bytes per token")."""
+measure: the pieces the bytes-per-token work is decided with (benchmarks/notes/2026-12-04-bytes-per-token.md)."""
 
 from __future__ import annotations
 

@@ -393,7 +393,7 @@ def _audit(engine, prompt: str, drafter: str, samples: int, self_test: bool = Fa
 def test_qwen_pair_audit_passes_block_stable_and_tells_the_draft_from_the_target():
     """Block-stable mode: every target pass scores at least two rows, so the exact law (1-token
     passes, padded) and speculation see the same numerics (int4 rows of any block of 2 or more
-    are bit-identical, as int8's: BENCHMARKS.md "Exactness"); the default mode is measured there.
+    are bit-identical, as int8's: benchmarks/notes/2026-12-02-exactness.md); the default mode is measured there.
     The self-test draws the same statistics from the 0.5B draft's q."""
     engine = Engine(real.bundle("qwen-pair-int4"), EngineConfig(provider="cpu", drafter="model", calibrate=False, block_stable=True))
     report = _audit(engine, "def quicksort(xs):", "model", 200)

@@ -109,6 +109,7 @@ def test_greedy_speculation_with_a_trimmed_draft_equals_plain(pair, drafter, gam
     assert int(np.argmax(runner.forward(ids)[-1])) in kept
 
 
+@pytest.mark.law
 def test_audit_passes_on_a_trimmed_draft(pair):
     """Sampling through the ONNX bundle: the first two tokens follow the target's law."""
     result = subprocess.run(
@@ -155,6 +156,7 @@ def trimmed_draft(monkeypatch):
     return runners
 
 
+@pytest.mark.law
 @pytest.mark.parametrize("config,gamma", [("T1", 3), ("T0.9-topp0.8", 1), ("T0.7-topk20", 3)])
 def test_trimmed_draft_samples_follow_the_target_law(trimmed_draft, config, gamma):
     sampling = loop_sampling.CONFIGS[config]
@@ -166,6 +168,7 @@ def test_trimmed_draft_samples_follow_the_target_law(trimmed_draft, config, gamm
     assert report.passed, report.lines()
 
 
+@pytest.mark.law
 def test_q_over_the_untrimmed_support_fails_the_test(trimmed_draft, monkeypatch):
     """Tokens drawn among the kept rows, but the verifier handed the untrimmed draft's q, which
     puts mass on the dropped tokens: the law is wrong and the audit must see it."""
