@@ -242,7 +242,6 @@ def verify_tree_stochastic(target_probs: np.ndarray, draft_probs: np.ndarray | N
     Returns (the accepted rows after the root, in order; the token drawn after the last).
     Uniforms: one per examined child, then one draw by `sample`."""
     target, tokens, kids = _check_tree(target_probs, tokens, parents)
-    vocab = target.shape[1]
     if draft_probs is not None:
         draft_probs = np.asarray(draft_probs, dtype=np.float64)  # [T,V]
         if draft_probs.shape != target.shape:
@@ -255,14 +254,22 @@ def verify_tree_stochastic(target_probs: np.ndarray, draft_probs: np.ndarray | N
         p = target[node]  # [V]
         for child in kids[node]:
             x = tokens[child]
-            q = draft_probs[child] if draft_probs is not None else np.eye(1, vocab, x)[0]  # [V]
             u = rng.random()
-            if p[x] >= q[x] or u * q[x] < p[x]:  # u < min(1, p/q) without dividing
-                path.append(child)
-                break
-            residual = np.maximum(p - q, 0.0)  # [V]
+            if draft_probs is None:  # q one-hot at x (verify_deterministic's rule, no [V] one-hot built)
+                if p[x] >= 1.0 or u < p[x]:
+                    path.append(child)
+                    break
+                residual = np.maximum(p, 0.0)  # [V]: max(0, p - one_hot(x)), as p(x) < 1 here
+                residual[x] = 0.0
+            else:
+                q = draft_probs[child]  # [V]
+                if p[x] >= q[x] or u * q[x] < p[x]:  # u < min(1, p/q) without dividing
+                    path.append(child)
+                    break
+                residual = np.maximum(p - q, 0.0)  # [V]
+            total = residual.sum()
             # p == q up to rounding leaves nothing: p itself is then the right law.
-            p = residual / residual.sum() if residual.sum() > 0.0 else p
+            p = residual / total if total > 0.0 else p
         else:
             return path, sample(p, rng)
         node = path[-1]

@@ -156,6 +156,8 @@ class ModelRunner(CacheRows):
         if block.positions[0] != start:
             raise ValueError(f"the block starts at position {int(block.positions[0])}, after {start} kept rows")
         tree = None if block.is_chain else block
+        if tree is not None and trunk_hidden is not None:
+            raise ValueError("a layer-skip draft's trunk rows are a chain's: a tree block recomputes its trunk")
         if tree is not None and not self.trees():
             raise ValueError(f"the {self.role}'s graphs take a chain only (a tree needs positions and a mask fed: --attention masked)")
         missing = sorted(set(block.hidden) - set(self.hidden_layers())) if block.hidden else ()

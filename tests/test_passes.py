@@ -91,8 +91,11 @@ def test_a_tree_pass_scores_each_path_as_that_path_alone_and_keeps_the_accepted_
 def test_fused_graphs_take_chains_only_and_name_the_layers_they_return(llama_bundle):
     target = _engine(llama_bundle).target
     assert not target.trees() and target.hidden_layers() == (0, 3)  # after the trunk (layer-skip:1) and after the last layer
+    tree = Block(np.array([5, 6, 7]), np.array([0, 1, 1]), np.array([-1, 0, 0]), 3)
     with pytest.raises(ValueError, match="chain only"):
-        target.score(Block(np.array([5, 6, 7]), np.array([0, 1, 1]), np.array([-1, 0, 0]), 3))
+        target.score(tree)
+    with pytest.raises(ValueError, match="trunk rows are a chain's"):
+        target.score(tree, trunk_hidden=np.zeros((1, 1, 64), dtype=np.float32))
     with pytest.raises(ValueError, match=r"returns the outputs of layers \[0, 3\], not \[2\]"):
         target.score(Block.chain([5, 6], 0, hidden=(2,)))
     with pytest.raises(ValueError, match="starts at position 1, after 0 kept rows"):
